@@ -1,0 +1,43 @@
+"""The one place that reads environment variables. Every variable has the MILES_SYNC_ prefix and a typed parser.
+
+Addresses default to loopback: nothing in miles_sync binds a public interface unless the user asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+PREFIX = "MILES_SYNC_"
+
+
+def _read_str(name: str, default: str) -> str:
+    value = os.environ.get(PREFIX + name)
+    return default if value is None else value
+
+
+def _read_float(name: str, default: float) -> float:
+    value = os.environ.get(PREFIX + name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={value!r} is not a number") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Environment:
+    """Process-wide settings taken from the environment at call time."""
+
+    host: str
+    http_timeout_s: float
+    collective_timeout_s: float
+
+
+def read_environment() -> Environment:
+    return Environment(
+        host=_read_str("HOST", "127.0.0.1"),
+        http_timeout_s=_read_float("HTTP_TIMEOUT_S", 60.0),
+        collective_timeout_s=_read_float("COLLECTIVE_TIMEOUT_S", 120.0),
+    )

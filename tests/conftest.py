@@ -1,0 +1,30 @@
+"""Test tiers follow the directory: tests/unit (pure), tests/multiproc (gloo groups, HTTP on loopback),
+tests/ray (local Ray cluster). The marker is applied from the path so `-m unit` selects a tier."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+_TIERS = ("unit", "multiproc", "ray")
+
+# Keep every local process group and server on loopback, and Ray's token file out of the home directory.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for tier in _TIERS:
+            if tier in parts:
+                item.add_marker(getattr(pytest.mark, tier))
+        if item.get_closest_marker("gpu") is not None:
+            import torch
+
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
