@@ -33,6 +33,7 @@ class Environment:
     host: str
     http_timeout_s: float
     collective_timeout_s: float
+    cache_dir: str  # generated reference checkpoints and other reusable artifacts
 
 
 def read_environment() -> Environment:
@@ -40,4 +41,5 @@ def read_environment() -> Environment:
         host=_read_str("HOST", "127.0.0.1"),
         http_timeout_s=_read_float("HTTP_TIMEOUT_S", 60.0),
         collective_timeout_s=_read_float("COLLECTIVE_TIMEOUT_S", 120.0),
+        cache_dir=os.path.expanduser(_read_str("CACHE_DIR", "~/.cache/miles_sync")),
     )
