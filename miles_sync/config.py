@@ -1,0 +1,339 @@
+"""Typed configuration: frozen keyword-only records, mirrored 1:1 by conf/default.yaml.
+
+OmegaConf cannot merge into frozen dataclasses (it marks their nodes read-only) and takes enum members by name,
+not by value. So loading goes through a structured *schema*: a mutable mirror of these records, derived from
+them (enums as their string values, tuples as lists). OmegaConf merges the YAML and the dotlist overrides into the
+schema, which rejects unknown keys and ill-typed scalars with the key's path; the plain container it produces is
+then decoded into the frozen records by miles_sync.codec, which checks enum values and runs each record's
+validation. Every failure is a ValueError naming the dotted path of the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from miles_sync.codec import decode, encode
+from miles_sync.protocol import PauseMode, WireEnum
+from miles_sync.selector import ConversionMode, DraftKind, SelectorMode
+
+__all__ = [
+    "DEFAULT_CONFIG_DIR",
+    "ClusterConfig",
+    "EngineConfig",
+    "EngineKind",
+    "FinalizePolicy",
+    "MilesSyncConfig",
+    "ModelConfig",
+    "SyncConfig",
+    "TrainerConfig",
+    "Transport",
+    "WeightLayout",
+    "load_config",
+    "to_config",
+    "to_yaml",
+]
+
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+_MIB = 1024 * 1024
+
+
+class Transport(WireEnum):
+    """distributed: broadcast over a torch.distributed group; colocated: per-TP-rank tensor handles."""
+
+    DISTRIBUTED = "distributed"
+    COLOCATED = "colocated"
+
+
+class EngineKind(WireEnum):
+    REFERENCE = "reference"  # the built-in CPU engine
+    SGLANG = "sglang"
+
+
+class WeightLayout(WireEnum):
+    """The post-load layout transform an engine applies at finalize (aiter: the AITER shuffle)."""
+
+    NONE = "none"
+    AITER = "aiter"
+
+
+class FinalizePolicy(WireEnum):
+    """strict: finalize exactly the runners that received bytes, and fail a selected runner that got none.
+    sglang: finalize every selected runner, as SGLang does (reproduces the double-transform bug)."""
+
+    STRICT = "strict"
+    SGLANG = "sglang"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    transport: Transport = Transport.DISTRIBUTED
+    conversion: ConversionMode = ConversionMode.RAW
+    bucket_bytes: int = 256 * _MIB
+    selector: SelectorMode = SelectorMode.AUTO
+    pause_mode: PauseMode = PauseMode.ABORT
+    verify: bool = True  # compare trainer-side checksums with each engine's after every sync
+    http_timeout_s: float = 60.0
+    collective_timeout_s: float = 120.0
+    sync_timeout_s: float = 600.0  # one whole sync, pause to resume
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.bucket_bytes <= 0:
+            problems.append(f"bucket_bytes={self.bucket_bytes} must be positive")
+        for name in ("http_timeout_s", "collective_timeout_s", "sync_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                problems.append(f"{name}={value} must be a positive number of seconds")
+        _raise_if(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    count: int = 1
+    kind: EngineKind = EngineKind.REFERENCE
+    urls: tuple[str, ...] = ()  # already running servers to use instead of launching `count` engines
+    weight_layout: WeightLayout = WeightLayout.NONE
+    finalize_policy: FinalizePolicy = FinalizePolicy.STRICT
+    draft_kind: DraftKind = DraftKind.NONE
+    spec_steps: int = 3  # draft tokens proposed per verify step; used only with a draft
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.count < 1:
+            problems.append(f"count={self.count} must be at least 1")
+        if self.urls and len(self.urls) != self.count:
+            problems.append(f"urls has {len(self.urls)} entries but count={self.count}; give one url per engine")
+        bad_urls = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+        if bad_urls:
+            problems.append(f"urls {bad_urls} must start with http:// or https://")
+        if len(set(self.urls)) != len(self.urls):
+            problems.append(f"urls {list(self.urls)} repeat a server")
+        if self.spec_steps < 1:
+            problems.append(f"spec_steps={self.spec_steps} must be at least 1")
+        _raise_if(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    lr: float = 1e-5
+
+    @property
+    def world_size(self) -> int:
+        """Number of trainer ranks (actors)."""
+        return self.tp * self.pp * self.dp
+
+    def __post_init__(self) -> None:
+        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+        problems = [f"{name}={size} must be at least 1" for name, size in sizes.items() if size < 1]
+        # Expert-parallel groups are carved from the tp x dp ranks of one pipeline stage.
+        if not problems and (self.tp * self.dp) % self.ep != 0:
+            problems.append(f"ep={self.ep} must divide tp*dp={self.tp}*{self.dp}={self.tp * self.dp}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            problems.append(f"lr={self.lr} must be positive")
+        _raise_if(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    arch: str = "qwen2"
+    checkpoint_dir: str | None = None  # None: build a small model from its config into the cache directory
+    speculative_algorithm: str | None = None  # None: no speculative decoding
+    num_trained_mtp_layers: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.arch.strip():
+            problems.append("arch must not be empty")
+        if self.speculative_algorithm is not None and not self.speculative_algorithm.strip():
+            algorithm = self.speculative_algorithm
+            problems.append(f"speculative_algorithm={algorithm!r} must be null (off) or a non-empty name")
+        if self.num_trained_mtp_layers < 0:
+            problems.append(f"num_trained_mtp_layers={self.num_trained_mtp_layers} must be non-negative")
+        _raise_if(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    address: str | None = None  # None: start a local Ray cluster
+    num_cpus: int | None = None  # for a local cluster; None lets Ray count them
+
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus={self.num_cpus} must be at least 1 (or null)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MilesSyncConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engines: EngineConfig = field(default_factory=EngineConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    seed: int = 0
+    num_rounds: int = 1  # training steps, each followed by one sync
+    run_name: str = "default"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.seed < 0:
+            problems.append(f"seed={self.seed} must be non-negative")
+        if self.num_rounds < 1:
+            problems.append(f"num_rounds={self.num_rounds} must be at least 1")
+        if not self.run_name.strip() or "/" in self.run_name or "\\" in self.run_name:
+            problems.append(f"run_name={self.run_name!r} must be a non-empty name without path separators")
+        # The engine's draft and the trainer's view of speculative decoding must agree, or the selector decision
+        # is made on a wrong premise.
+        is_speculative = self.model.speculative_algorithm is not None
+        if is_speculative != (self.engines.draft_kind is not DraftKind.NONE):
+            problems.append(
+                f"model.speculative_algorithm={self.model.speculative_algorithm!r} and "
+                f"engines.draft_kind={self.engines.draft_kind.value!r} disagree: set both or neither"
+            )
+        _raise_if(problems)
+
+
+def load_config(
+    config_dir: str | Path | None = None, config_name: str = "default", overrides: Sequence[str] = ()
+) -> MilesSyncConfig:
+    """Read `<config_dir>/<config_name>.yaml` (default: the repository's conf/), apply dotlist overrides
+    ("sync.transport=colocated"), and return the validated config. Raises ValueError naming the offending key."""
+    directory = DEFAULT_CONFIG_DIR if config_dir is None else Path(config_dir)
+    path = directory / f"{config_name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"config {config_name!r} not found: {path} is not a file")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ValueError(f"config file {path} must hold a mapping at the top level")
+    return to_config(loaded, overrides=overrides)
+
+
+def to_config(cfg: Mapping[str, Any] | DictConfig, *, overrides: Sequence[str] = ()) -> MilesSyncConfig:
+    """Validate a composed config (a Hydra DictConfig or a plain mapping) plus dotlist overrides."""
+    dotlist = _check_overrides(overrides)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(_schema(MilesSyncConfig)), cfg)
+    except OmegaConfBaseException as e:
+        raise ValueError(_describe_omegaconf_error(e)) from None
+    # One override at a time, so an error can quote the override even where OmegaConf knows no key path.
+    for override in dotlist:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
+        except OmegaConfBaseException as e:
+            key = override.partition("=")[0]
+            raise ValueError(f"override {override!r}: {_describe_omegaconf_error(e, default_key=key)}") from None
+    try:
+        container = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise ValueError(_describe_omegaconf_error(e)) from None
+    try:
+        return decode(MilesSyncConfig, container)
+    except ValueError as e:
+        raise ValueError(str(e).replace("invalid MilesSyncConfig: ", "invalid config: ", 1)) from None
+
+
+def to_yaml(config: MilesSyncConfig) -> str:
+    """The YAML of a config, loadable again by load_config (for run records)."""
+    return OmegaConf.to_yaml(OmegaConf.create(encode(config)))
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _check_overrides(overrides: Sequence[str]) -> list[str]:
+    if isinstance(overrides, str):
+        raise ValueError(f"overrides must be a sequence of 'key=value' strings, got the string {overrides!r}")
+    bad = [o for o in overrides if not isinstance(o, str) or "=" not in o or o.startswith(("+", "~"))]
+    if bad:
+        raise ValueError(f"overrides {bad} must each be 'dotted.key=value' (adding or deleting keys is not supported)")
+    return list(overrides)
+
+
+def _describe_omegaconf_error(error: OmegaConfBaseException, *, default_key: str = "<root>") -> str:
+    key = getattr(error, "full_key", None) or default_key
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, ConfigKeyError):
+        parent, _, _ = key.rpartition(".")
+        allowed = _allowed_keys(parent)
+        suffix = f" (allowed under {parent or 'the top level'}: {', '.join(allowed)})" if allowed else ""
+        return f"unknown config key {key!r}{suffix}"
+    if isinstance(error, MissingMandatoryValue):
+        return f"config key {key!r} has no value"
+    return f"config key {key!r}: {reason}"
+
+
+def _allowed_keys(path: str) -> list[str]:
+    """Field names of the record at a dotted path of MilesSyncConfig, or [] if the path is not a record."""
+    cls: Any = MilesSyncConfig
+    for part in filter(None, path.split(".")):
+        hint = typing.get_type_hints(cls).get(part)
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            return []
+        cls = hint
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+@functools.cache
+def _schema(cls: type) -> type:
+    """A mutable dataclass with the fields of record `cls`, typed the way OmegaConf understands them."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = f.default
+        if default is dataclasses.MISSING:
+            spec = field(default=MISSING)
+        else:
+            spec = field(default_factory=functools.partial(_schema_value, default))
+        specs.append((f.name, _schema_type(hints[f.name]), spec))
+    # Same name as the record, so OmegaConf's messages read in terms the user knows.
+    return dataclasses.make_dataclass(cls.__name__, specs, kw_only=True)
+
+
+def _schema_type(hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return typing.Optional[_schema_type(inner)]
+    if origin is tuple:
+        return typing.List[_schema_type(args[0])]  # noqa: UP006 - OmegaConf wants typing's generics
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return str  # checked against the enum's values by the decoder, which names the allowed ones
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _schema(hint)
+    return hint
+
+
+def _schema_value(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_schema_value(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        values = {f.name: _schema_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return _schema(type(value))(**values)
+    return value

@@ -1,0 +1,243 @@
+"""Typed config: conf/default.yaml mirrors the records, overrides apply, and bad input names its key path."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from miles_sync.config import (
+    DEFAULT_CONFIG_DIR,
+    ClusterConfig,
+    EngineConfig,
+    EngineKind,
+    FinalizePolicy,
+    MilesSyncConfig,
+    ModelConfig,
+    SyncConfig,
+    TrainerConfig,
+    Transport,
+    WeightLayout,
+    load_config,
+    to_config,
+    to_yaml,
+)
+from miles_sync.protocol import PauseMode
+from miles_sync.selector import ConversionMode, DraftKind, SelectorMode
+
+
+def _record_keys(cls: type) -> dict:
+    """Field names of a record, nested records expanded; leaves map to None."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: _record_keys(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
+        for f in dataclasses.fields(cls)
+    }
+
+
+def _yaml_keys(node: object) -> dict | None:
+    return {k: _yaml_keys(v) for k, v in node.items()} if isinstance(node, dict) else None
+
+
+def test_default_yaml_mirrors_the_records_key_for_key():
+    with open(DEFAULT_CONFIG_DIR / "default.yaml") as f:
+        raw = yaml.safe_load(f)
+    assert _yaml_keys(raw) == _record_keys(MilesSyncConfig)
+
+
+def test_default_yaml_values_equal_the_code_defaults():
+    assert load_config() == MilesSyncConfig()
+
+
+def test_overrides_apply_with_their_types():
+    config = load_config(overrides=["sync.transport=colocated", "engines.count=2"])
+    assert config.sync.transport is Transport.COLOCATED
+    assert config.engines.count == 2
+    assert config.sync.conversion is ConversionMode.RAW  # untouched keys keep the file's values
+
+
+def test_overrides_cover_lists_nulls_floats_and_enums():
+    config = load_config(
+        overrides=[
+            "engines.count=2",
+            "engines.urls=[http://127.0.0.1:30000,http://127.0.0.1:30001]",
+            "engines.kind=sglang",
+            "engines.weight_layout=aiter",
+            "engines.finalize_policy=sglang",
+            "engines.draft_kind=mtp",
+            "model.speculative_algorithm=EAGLE",
+            "model.checkpoint_dir=/tmp/ckpt",
+            "sync.http_timeout_s=5",
+            "sync.selector=target",
+            "sync.pause_mode=in_place",
+            "cluster.num_cpus=2",
+            "cluster.address=null",
+        ]
+    )
+    assert config.engines.urls == ("http://127.0.0.1:30000", "http://127.0.0.1:30001")
+    assert config.engines.kind is EngineKind.SGLANG
+    assert config.engines.weight_layout is WeightLayout.AITER
+    assert config.engines.finalize_policy is FinalizePolicy.SGLANG
+    assert config.engines.draft_kind is DraftKind.MTP
+    assert config.sync.http_timeout_s == 5.0 and type(config.sync.http_timeout_s) is float
+    assert config.sync.selector is SelectorMode.TARGET and config.sync.pause_mode is PauseMode.IN_PLACE
+    assert config.cluster == ClusterConfig(address=None, num_cpus=2)
+    assert config.model.checkpoint_dir == "/tmp/ckpt"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("sync.bogus=1", "unknown config key 'sync.bogus' (allowed under sync: transport, conversion,"),
+        ("bogus=1", "unknown config key 'bogus' (allowed under the top level: model, trainer,"),
+        ("engines.draft.kind=mtp", "unknown config key 'engines.draft'"),
+    ],
+)
+def test_unknown_key_names_its_path_and_the_allowed_keys(override, expected):
+    with pytest.raises(ValueError) as info:
+        load_config(overrides=[override])
+    assert expected in str(info.value)
+    assert str(info.value).startswith(f"override {override!r}: ")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("sync.bucket_bytes=lots", "config key 'sync.bucket_bytes': Value 'lots' of type 'str' could not be"),
+        ("trainer.tp=true", "config key 'trainer.tp': Value 'True' of type 'bool' could not be converted"),
+        ("sync.verify=maybe", "config key 'sync.verify': Value 'maybe' is not a valid bool"),
+        ("trainer.lr=fast", "config key 'trainer.lr': Value 'fast' of type 'str' could not be converted to Float"),
+        ("sync=3", "config key 'sync': "),
+        ("sync.transport=udp", "sync.transport: 'udp' is not one of 'distributed', 'colocated'"),
+        ("sync.transport=COLOCATED", "sync.transport: 'COLOCATED' is not one of 'distributed', 'colocated'"),
+        ("engines.kind=vllm", "engines.kind: 'vllm' is not one of 'reference', 'sglang'"),
+        ("sync.selector=both", "sync.selector: 'both' is not one of 'auto', 'target', 'draft', 'all'"),
+    ],
+)
+def test_wrong_type_names_its_path(override, expected):
+    with pytest.raises(ValueError) as info:
+        load_config(overrides=[override])
+    assert expected in str(info.value)
+
+
+def test_every_invalid_value_is_named_at_once():
+    with pytest.raises(ValueError) as info:
+        load_config(overrides=["sync.bucket_bytes=0", "sync.sync_timeout_s=-1", "trainer.ep=3", "num_rounds=0"])
+    message = str(info.value)
+    assert message.startswith("invalid config: ")
+    for part in (
+        "sync: bucket_bytes=0 must be positive",
+        "sync_timeout_s=-1.0 must be a positive number",
+        "trainer: ep=3 must divide tp*dp=1*1=1",
+    ):
+        assert part in message
+    # The root's own checks run once its parts are valid.
+    with pytest.raises(ValueError, match="num_rounds=0 must be at least 1"):
+        load_config(overrides=["num_rounds=0"])
+
+
+@pytest.mark.parametrize(
+    ("make", "parts"),
+    [
+        (lambda: SyncConfig(bucket_bytes=-1, http_timeout_s=0.0, collective_timeout_s=float("inf")),
+         ["bucket_bytes=-1", "http_timeout_s=0.0", "collective_timeout_s=inf"]),
+        (lambda: EngineConfig(count=0, spec_steps=0), ["count=0", "spec_steps=0"]),
+        (lambda: EngineConfig(count=3, urls=("http://127.0.0.1:1", "127.0.0.1:2")),
+         ["urls has 2 entries but count=3", "'127.0.0.1:2'"]),
+        (lambda: EngineConfig(count=2, urls=("http://127.0.0.1:1", "http://127.0.0.1:1")), ["repeat a server"]),
+        (lambda: TrainerConfig(tp=0, pp=-1, lr=0.0), ["tp=0", "pp=-1", "lr=0.0"]),
+        (lambda: TrainerConfig(tp=2, dp=2, ep=3), ["ep=3 must divide tp*dp=2*2=4"]),
+        (lambda: ModelConfig(arch=" ", speculative_algorithm="", num_trained_mtp_layers=-2),
+         ["arch must not be empty", "speculative_algorithm", "num_trained_mtp_layers=-2"]),
+        (lambda: ClusterConfig(num_cpus=0), ["num_cpus=0"]),
+        (lambda: MilesSyncConfig(seed=-1, num_rounds=0, run_name="a/b"), ["seed=-1", "num_rounds=0", "'a/b'"]),
+        (lambda: MilesSyncConfig(engines=EngineConfig(draft_kind=DraftKind.MTP)),
+         ["model.speculative_algorithm=None and engines.draft_kind='mtp' disagree"]),
+    ],
+)
+def test_records_validate_at_construction(make, parts):
+    with pytest.raises(ValueError) as info:
+        make()
+    for part in parts:
+        assert part in str(info.value)
+
+
+def test_valid_parallel_layouts():
+    assert TrainerConfig(tp=2, pp=2, dp=2, ep=4).world_size == 8
+    assert TrainerConfig(tp=2, dp=1, ep=2).world_size == 2  # expert parallel across the tensor-parallel ranks
+
+
+def test_speculative_config_with_matching_draft_is_accepted():
+    config = load_config(overrides=["model.speculative_algorithm=NGRAM", "engines.draft_kind=ngram"])
+    assert config.model.speculative_algorithm == "NGRAM"
+
+
+def test_records_are_frozen():
+    config = MilesSyncConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sync.bucket_bytes = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SyncConfig(Transport.COLOCATED)  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["+sync.extra=1"], ["~sync.verify"], ["sync.verify"], "sync.verify=false"],
+)
+def test_malformed_overrides_are_rejected(overrides):
+    with pytest.raises(ValueError, match="overrides"):
+        load_config(overrides=overrides)
+
+
+def test_yaml_round_trip_through_a_file(tmp_path):
+    config = load_config(
+        overrides=[
+            "sync.transport=colocated",
+            "engines.count=2",
+            "engines.urls=[http://127.0.0.1:1,http://127.0.0.1:2]",
+            "model.speculative_algorithm=EAGLE",
+            "engines.draft_kind=mtp",
+            "trainer.lr=0.002",
+            "run_name=round_trip",
+        ]
+    )
+    (tmp_path / "saved.yaml").write_text(to_yaml(config))
+    assert load_config(tmp_path, "saved") == config
+
+
+def test_interpolation_is_resolved(tmp_path):
+    text = (DEFAULT_CONFIG_DIR / "default.yaml").read_text().replace("run_name: default", "run_name: run_${seed}")
+    (tmp_path / "interp.yaml").write_text(text)
+    assert load_config(tmp_path, "interp", overrides=["seed=7"]).run_name == "run_7"
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="config 'absent' not found"):
+        load_config(tmp_path, "absent")
+    (tmp_path / "broken.yaml").write_text("sync: [unclosed\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_config(tmp_path, "broken")
+    (tmp_path / "listy.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config(tmp_path, "listy")
+    (tmp_path / "typo.yaml").write_text("sync:\n  bucket_byte: 1\n")
+    with pytest.raises(ValueError, match="unknown config key 'sync.bucket_byte'"):
+        load_config(tmp_path, "typo")
+
+
+def test_a_partial_file_takes_the_remaining_defaults(tmp_path):
+    (tmp_path / "small.yaml").write_text("engines:\n  count: 4\n")
+    assert load_config(tmp_path, "small") == MilesSyncConfig(engines=EngineConfig(count=4))
+
+
+def test_to_config_accepts_a_hydra_composed_config():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(DEFAULT_CONFIG_DIR), version_base=None):
+        cfg = compose(config_name="default", overrides=["sync.transport=colocated", "engines.count=2"])
+    config = to_config(cfg)
+    assert config.sync.transport is Transport.COLOCATED and config.engines.count == 2
+    assert to_config(OmegaConf.to_container(cfg)) == config  # a plain mapping works too

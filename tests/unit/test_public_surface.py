@@ -1,0 +1,315 @@
+"""Guards the public surface: module __all__, the wire schema and the config field names.
+
+A failure here means a deliberate change to a contract other code (engines, clients, user configs) relies on:
+update the table in the same change, and the engine/client/docs that speak it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from enum import Enum
+
+from miles_sync import codec, config, protocol, selector
+from miles_sync.codec import encode
+
+REQUIRED = "<required>"
+
+PROTOCOL_ALL = {
+    "DEFAULT_GROUP_NAME", "ENDPOINTS", "QUERY_ENDPOINTS", "RESPONSES",
+    "BeginWeightUpdateRequest", "ContinueGenerationRequest", "DestroyWeightsUpdateGroupRequest",
+    "EndWeightUpdateRequest", "FinishReason", "FinishReasonKind", "FlushCacheRequest", "FlushCacheResult",
+    "GenerateMetaInfo", "GenerateRequest", "GenerateResponse", "GenerationControlResult",
+    "InitWeightsUpdateGroupRequest", "LoadFormat", "ModelInfo", "ParallelismInfo", "PauseGenerationRequest",
+    "PauseMode", "RankChecksums", "Role", "SamplingParams", "Selector", "UpdateWeightVersionRequest",
+    "UpdateWeightsFromDistributedRequest", "UpdateWeightsFromTensorRequest", "WeightUpdateResult",
+    "WeightVersionResult", "WeightsCheckerAction", "WeightsCheckerRequest", "WeightsCheckerResult", "WireEnum",
+    "decode", "dtype_from_wire", "dtype_to_wire", "encode", "selector_roles",
+}  # fmt: skip
+SELECTOR_ALL = {
+    "ConversionMode", "DraftKind", "DraftReport", "SelectorMode", "resolve_selector", "weight_update_selector",
+}  # fmt: skip
+CONFIG_ALL = {
+    "DEFAULT_CONFIG_DIR", "ClusterConfig", "EngineConfig", "EngineKind", "FinalizePolicy", "MilesSyncConfig",
+    "ModelConfig", "SyncConfig", "TrainerConfig", "Transport", "WeightLayout", "load_config", "to_config", "to_yaml",
+}  # fmt: skip
+CODEC_ALL = {"decode", "encode"}
+
+ENDPOINTS = {
+    "/init_weights_update_group": "InitWeightsUpdateGroupRequest",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupRequest",
+    "/begin_weight_update": "BeginWeightUpdateRequest",
+    "/end_weight_update": "EndWeightUpdateRequest",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedRequest",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorRequest",
+    "/update_weight_version": "UpdateWeightVersionRequest",
+    "/pause_generation": "PauseGenerationRequest",
+    "/continue_generation": "ContinueGenerationRequest",
+    "/weights_checker": "WeightsCheckerRequest",
+    "/generate": "GenerateRequest",
+}
+QUERY_ENDPOINTS = {"/flush_cache": "FlushCacheRequest"}
+RESPONSES = {
+    "/init_weights_update_group": "WeightUpdateResult",
+    "/destroy_weights_update_group": "WeightUpdateResult",
+    "/begin_weight_update": "WeightUpdateResult",
+    "/end_weight_update": "WeightUpdateResult",
+    "/update_weights_from_distributed": "WeightUpdateResult",
+    "/update_weights_from_tensor": "WeightUpdateResult",
+    "/update_weight_version": "WeightVersionResult",
+    "/pause_generation": "GenerationControlResult",
+    "/continue_generation": "GenerationControlResult",
+    "/weights_checker": "WeightsCheckerResult",
+    "/generate": "GenerateResponse",
+    "/model_info": "ModelInfo",
+}
+
+# record -> [(JSON key, annotation, default as it goes on the wire)]; defaults are SGLang 0.5.23's.
+WIRE_SCHEMA = {
+    "BeginWeightUpdateRequest": [
+        ("selector", "Selector", "all"),
+    ],
+    "ContinueGenerationRequest": [
+        ("torch_empty_cache", "bool", True),
+    ],
+    "DestroyWeightsUpdateGroupRequest": [
+        ("group_name", "str", "weight_update_group"),
+    ],
+    "EndWeightUpdateRequest": [],
+    "FinishReason": [
+        ("type", "FinishReasonKind", REQUIRED),
+        ("length", "int | None", None),
+        ("matched", "int | str | None", None),
+        ("message", "str | None", None),
+    ],
+    "FlushCacheRequest": [
+        ("timeout", "float | None", None),
+    ],
+    "FlushCacheResult": [
+        ("status_code", "int", REQUIRED),
+        ("message", "str", REQUIRED),
+    ],
+    "GenerateMetaInfo": [
+        ("prompt_tokens", "int", REQUIRED),
+        ("completion_tokens", "int", REQUIRED),
+        ("weight_version", "str", REQUIRED),
+        ("finish_reason", "FinishReason | None", None),
+        ("spec_verify_ct", "int | None", None),
+        ("spec_accept_rate", "float | None", None),
+        ("spec_accept_length", "float | None", None),
+        ("weight_versions", "tuple[str, ...]", ()),
+    ],
+    "GenerateRequest": [
+        ("input_ids", "tuple[int, ...] | None", None),
+        ("text", "str | None", None),
+        (
+            "sampling_params",
+            "SamplingParams",
+            {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "sampling_seed": None},
+        ),
+    ],
+    "GenerateResponse": [
+        ("output_ids", "tuple[int, ...]", REQUIRED),
+        ("meta_info", "GenerateMetaInfo", REQUIRED),
+        ("text", "str", ""),
+    ],
+    "GenerationControlResult": [
+        ("message", "str", REQUIRED),
+        ("status", "str", REQUIRED),
+    ],
+    "InitWeightsUpdateGroupRequest": [
+        ("master_address", "str", REQUIRED),
+        ("master_port", "int", REQUIRED),
+        ("rank_offset", "int", REQUIRED),
+        ("world_size", "int", REQUIRED),
+        ("group_name", "str", "weight_update_group"),
+        ("backend", "str", "nccl"),
+    ],
+    "ModelInfo": [
+        ("model_path", "str", REQUIRED),
+        ("weight_version", "str", REQUIRED),
+        ("tokenizer_path", "str | None", None),
+        ("is_generation", "bool", True),
+        ("model_type", "str | None", None),
+        ("architectures", "tuple[str, ...] | None", None),
+    ],
+    "ParallelismInfo": [
+        ("role", "Role", REQUIRED),
+        ("tp_rank", "int", REQUIRED),
+        ("tp_size", "int", REQUIRED),
+        ("dp_rank", "int", REQUIRED),
+        ("dp_size", "int", REQUIRED),
+        ("pp_rank", "int", REQUIRED),
+        ("pp_size", "int", REQUIRED),
+        ("rank", "int", REQUIRED),
+        ("size", "int", REQUIRED),
+    ],
+    "PauseGenerationRequest": [
+        ("mode", "PauseMode", "abort"),
+    ],
+    "RankChecksums": [
+        ("checksums", "dict[str, str]", REQUIRED),
+        ("per_gpu_checksum", "str", REQUIRED),
+        ("parallelism_info", "tuple[ParallelismInfo, ...]", REQUIRED),
+    ],
+    "SamplingParams": [
+        ("max_new_tokens", "int", 128),
+        ("temperature", "float", 1.0),
+        ("top_p", "float", 1.0),
+        ("sampling_seed", "int | None", None),
+    ],
+    "UpdateWeightVersionRequest": [
+        ("new_version", "str", REQUIRED),
+        ("abort_all_requests", "bool", True),
+    ],
+    "UpdateWeightsFromDistributedRequest": [
+        ("names", "tuple[str, ...]", REQUIRED),
+        ("dtypes", "tuple[str, ...]", REQUIRED),
+        ("shapes", "tuple[tuple[int, ...], ...]", REQUIRED),
+        ("group_name", "str", "weight_update_group"),
+        ("flush_cache", "bool", True),
+        ("abort_all_requests", "bool", False),
+        ("weight_version", "str | None", None),
+        ("load_format", "LoadFormat | None", None),
+        ("selector", "Selector", "all"),
+        ("torch_empty_cache", "bool", False),
+    ],
+    "UpdateWeightsFromTensorRequest": [
+        ("serialized_named_tensors", "tuple[str, ...]", REQUIRED),
+        ("load_format", "LoadFormat | None", None),
+        ("flush_cache", "bool", True),
+        ("abort_all_requests", "bool", False),
+        ("weight_version", "str | None", None),
+        ("selector", "Selector", "all"),
+        ("torch_empty_cache", "bool", False),
+    ],
+    "WeightUpdateResult": [
+        ("success", "bool", REQUIRED),
+        ("message", "str", REQUIRED),
+    ],
+    "WeightVersionResult": [
+        ("success", "bool", REQUIRED),
+        ("message", "str", REQUIRED),
+        ("new_version", "str | None", None),
+    ],
+    "WeightsCheckerRequest": [
+        ("action", "WeightsCheckerAction", "checksum"),
+        ("allow_quant_error", "bool", False),
+        ("skip_tensor_list", "tuple[str, ...] | None", None),
+        ("selector", "Selector", "all"),
+    ],
+    "WeightsCheckerResult": [
+        ("success", "bool", REQUIRED),
+        ("message", "str", REQUIRED),
+        ("ranks", "tuple[RankChecksums, ...]", ()),
+        ("per_engine_checksum", "str | None", None),
+    ],
+}
+
+ENUMS = {
+    protocol.Selector: ["target", "draft", "all"],
+    protocol.Role: ["target", "draft"],
+    protocol.PauseMode: ["abort", "retract", "in_place"],
+    protocol.LoadFormat: ["direct", "flattened_bucket"],
+    protocol.WeightsCheckerAction: ["snapshot", "reset_tensors", "compare", "checksum"],
+    protocol.FinishReasonKind: ["length", "stop", "abort"],
+    selector.DraftKind: ["none", "standalone", "mtp", "ngram"],
+    selector.ConversionMode: ["raw", "bridge"],
+    selector.SelectorMode: ["auto", "target", "draft", "all"],
+    config.Transport: ["distributed", "colocated"],
+    config.EngineKind: ["reference", "sglang"],
+    config.WeightLayout: ["none", "aiter"],
+    config.FinalizePolicy: ["strict", "sglang"],
+}
+
+CONFIG_FIELDS = {
+    "model": {"arch": None, "checkpoint_dir": None, "speculative_algorithm": None, "num_trained_mtp_layers": None},
+    "trainer": {"tp": None, "pp": None, "dp": None, "ep": None, "lr": None},
+    "engines": {
+        "count": None, "kind": None, "urls": None, "weight_layout": None, "finalize_policy": None,
+        "draft_kind": None, "spec_steps": None, "api_key": None,
+    },
+    "sync": {
+        "transport": None, "conversion": None, "bucket_bytes": None, "selector": None, "pause_mode": None,
+        "verify": None, "http_timeout_s": None, "collective_timeout_s": None, "sync_timeout_s": None,
+    },
+    "cluster": {"address": None, "num_cpus": None},
+    "seed": None,
+    "num_rounds": None,
+    "run_name": None,
+}  # fmt: skip
+
+
+def test_module_all():
+    tables = ((protocol, PROTOCOL_ALL), (selector, SELECTOR_ALL), (config, CONFIG_ALL), (codec, CODEC_ALL))
+    for module, expected in tables:
+        assert set(module.__all__) == expected, module.__name__
+        assert len(module.__all__) == len(expected), f"{module.__name__}.__all__ repeats a name"
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_endpoint_tables():
+    assert {k: v.__name__ for k, v in protocol.ENDPOINTS.items()} == ENDPOINTS
+    assert {k: v.__name__ for k, v in protocol.QUERY_ENDPOINTS.items()} == QUERY_ENDPOINTS
+    assert {k: v.__name__ for k, v in protocol.RESPONSES.items()} == RESPONSES
+
+
+def test_wire_schema():
+    records = {n: getattr(protocol, n) for n in protocol.__all__ if dataclasses.is_dataclass(getattr(protocol, n))}
+    assert set(records) == set(WIRE_SCHEMA)
+    for name, cls in records.items():
+        assert _schema_of(cls) == WIRE_SCHEMA[name], name
+
+
+def test_draft_report_schema():
+    assert _schema_of(selector.DraftReport) == [
+        ("kind", "DraftKind", REQUIRED),
+        ("owned_names", "tuple[str, ...]", ()),
+        ("is_frozen", "bool", False),
+    ]
+
+
+def test_enum_values():
+    for enum_cls, values in ENUMS.items():
+        assert [m.value for m in enum_cls] == values, enum_cls.__name__
+        assert issubclass(enum_cls, str)
+
+
+def test_config_field_names():
+    assert _field_tree(config.MilesSyncConfig) == CONFIG_FIELDS
+
+
+def test_every_record_is_frozen_and_keyword_only():
+    modules = (protocol, selector, config)
+    records = [getattr(m, n) for m in modules for n in m.__all__ if dataclasses.is_dataclass(getattr(m, n))]
+    for cls in records:
+        params = cls.__dataclass_params__
+        assert params.frozen, cls.__name__
+        assert all(f.kw_only for f in dataclasses.fields(cls)), cls.__name__
+
+
+def _schema_of(cls: type) -> list[tuple]:
+    rows = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            rows.append((f.name, f.type, REQUIRED))
+            continue
+        if isinstance(default, Enum):
+            default = default.value
+        elif dataclasses.is_dataclass(default):
+            default = encode(default)
+        rows.append((f.name, f.type, default))
+    return rows
+
+
+def _field_tree(cls: type) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: _field_tree(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
+        for f in dataclasses.fields(cls)
+    }
