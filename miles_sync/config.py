@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from miles_sync.codec import decode, encode
+from miles_sync.layout import WeightLayout
 from miles_sync.protocol import PauseMode, WireEnum
 from miles_sync.selector import ConversionMode, DraftKind, SelectorMode
 
@@ -60,13 +61,6 @@ class Transport(WireEnum):
 class EngineKind(WireEnum):
     REFERENCE = "reference"  # the built-in CPU engine
     SGLANG = "sglang"
-
-
-class WeightLayout(WireEnum):
-    """The post-load layout transform an engine applies at finalize (aiter: the AITER shuffle)."""
-
-    NONE = "none"
-    AITER = "aiter"
 
 
 class FinalizePolicy(WireEnum):

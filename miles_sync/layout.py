@@ -11,11 +11,12 @@ bytes (C = 16) that order is 2, so a double shuffle restores and only a triple o
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Sequence
 
 import torch
+
+from miles_sync.protocol import WireEnum
 
 __all__ = [
     "WeightLayout",
@@ -35,7 +36,7 @@ _SUPPORTED_ITEMSIZES = (1, 2, 4)
 _BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-class WeightLayout(str, enum.Enum):
+class WeightLayout(WireEnum):
     """How an engine stores a weight physically after its finalize hook."""
 
     NONE = "none"

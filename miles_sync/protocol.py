@@ -19,6 +19,8 @@ from enum import Enum
 
 import torch
 
+from miles_sync.bucket import dtype_from_name, dtype_name
+
 from miles_sync.codec import decode, encode
 
 __all__ = [
@@ -133,15 +135,15 @@ def selector_roles(selector: Selector) -> frozenset[Role]:
 
 
 def dtype_to_wire(dtype: torch.dtype) -> str:
-    """The bare torch name SGLang expects on the wire: torch.bfloat16 -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
+    """The bare torch name SGLang expects on the wire: torch.bfloat16 -> "bfloat16" (allow-listed dtypes only)."""
+    return dtype_name(dtype)
 
 
 def dtype_from_wire(name: str) -> torch.dtype:
-    value = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype {name!r} is not a bare torch dtype name such as 'bfloat16' or 'float32'")
-    return value
+    """Wire name -> torch dtype through the same allow-list the bucket codec uses."""
+    if not isinstance(name, str):
+        raise ValueError(f"Unsupported dtype name {name!r}: expected a bare torch dtype name such as 'bfloat16'")
+    return dtype_from_name(name)
 
 
 # ---- weight update group and session -------------------------------------------------------------------------
