@@ -28,3 +28,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
             if not torch.cuda.is_available():
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="session")
+def reference_checkpoints() -> Path:
+    """Directory with the reference engine's pre-trained `target/` (with its MTP layer) and `draft/` checkpoints.
+
+    Built once per recipe into the cache dir (MILES_SYNC_CACHE_DIR) by a subprocess, keyed by the recipe's hash,
+    so later sessions start instantly; concurrent sessions wait on a file lock instead of training twice.
+    """
+    from miles_sync.engine.reference.checkpoints import cached_checkpoints
+    from miles_sync.env import read_environment
+
+    return cached_checkpoints(read_environment().cache_dir)

@@ -1,0 +1,1 @@
+"""Rollout engines: the built-in CPU reference engine (`miles_sync.engine.reference`) and engine clients."""

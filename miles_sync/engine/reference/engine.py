@@ -1,0 +1,498 @@
+"""The reference engine's weight-update state machine: sessions, selectors, finalize policies, staleness, version.
+
+Plain class, no HTTP: `server.py` maps each endpoint onto one method. Methods return the response record on
+success and raise ValueError with a message naming the problem on a request the engine refuses (the server answers
+400 {success: false, message}); `EngineStaleError` means generation is refused until a later session completes.
+
+Session rules (DESIGN.md section 2):
+- begin opens a session for one selector; a second begin fails; updates outside a session fail; a payload whose
+  selector differs from the session's fails.
+- A request is validated whole before any byte is written: unknown names, names the selector does not cover,
+  names two selected runners both own, shape and dtype mismatches. On the distributed path a request whose
+  metadata describes the bytes (valid dtypes, no negative dims, aligned offsets) still receives them before it is
+  refused, so the update group stays in step with the sender.
+- end closes the session, always. Policy `sglang` finalizes every runner the selector covers, as SGLang does
+  (a selected runner that received nothing has its already-transformed weights transformed again). Policy `strict`
+  finalizes only the names loaded in the session and fails naming every selected runner that loaded nothing.
+- A failure in a session in which some runner already loaded bytes marks the engine stale: generation is refused
+  until a later session ends successfully.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_sync.bucket import BucketEntry, dtype_from_name, layout_from_metadata, unpack_bucket
+from miles_sync.engine.reference.groups import UpdateGroups
+from miles_sync.engine.reference.runner import Runner
+from miles_sync.engine.reference.scheduler import Scheduler
+from miles_sync.engine.reference.weights_checker import WeightsChecker
+from miles_sync.plan import TensorMeta
+from miles_sync.protocol import (
+    BeginWeightUpdateRequest,
+    ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
+    FlushCacheResult,
+    GenerateRequest,
+    GenerationControlResult,
+    InitWeightsUpdateGroupRequest,
+    LoadFormat,
+    ModelInfo,
+    PauseGenerationRequest,
+    Role,
+    Selector,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+    WeightsCheckerAction,
+    WeightsCheckerRequest,
+    WeightsCheckerResult,
+    WeightUpdateResult,
+    WeightVersionResult,
+    WireEnum,
+    selector_roles,
+)
+from miles_sync.selector import DraftKind, DraftReport
+from miles_sync.tensor_payload import decode_payload
+from miles_sync.transport.group import UpdateGroup
+
+__all__ = ["EngineStaleError", "FinalizePolicy", "ReferenceEngine"]
+
+logger = logging.getLogger(__name__)
+
+_TP_RANK = 0  # this engine runs every runner at TP=1
+_TP_SIZE = 1
+_SOURCE_RANK = 0  # the trainer's source rank in every update group
+_MAX_PROBLEMS_SHOWN = 8
+
+
+class FinalizePolicy(WireEnum):
+    """What `end_weight_update` post-processes: see the module docstring."""
+
+    STRICT = "strict"
+    SGLANG = "sglang"
+
+
+class EngineStaleError(RuntimeError):
+    """Generation is refused: a failed update may have left some runners with partial weights."""
+
+
+@dataclass(kw_only=True)
+class _Session:
+    selector: Selector
+    runners: tuple[Runner, ...]
+    failures: list[str] = field(default_factory=list)
+
+    def has_loaded(self) -> bool:
+        return any(runner.loaded_in_session() for runner in self.runners)
+
+
+class ReferenceEngine:
+    """The weight-update side of one reference engine: a target runner, at most one draft, one scheduler.
+
+    Thread-safe: weight operations (sessions, updates, checker, version, group teardown) are serialized by one lock
+    taken with a timeout; generation requests and reads never wait for it. Creating an update group blocks until
+    the rendezvous completes, outside that lock.
+    """
+
+    def __init__(
+        self,
+        *,
+        target: Runner,
+        draft: Runner | None,
+        draft_kind: DraftKind,
+        scheduler: Scheduler,
+        model_path: str,
+        finalize_policy: FinalizePolicy = FinalizePolicy.STRICT,
+        collective_timeout_s: float = 120.0,
+        draft_is_frozen: bool = False,
+    ) -> None:
+        draft_kind = DraftKind(draft_kind)
+        problems = []
+        if target.role is not Role.TARGET:
+            problems.append(f"target runner has role {target.role.value!r}")
+        if (draft is not None) != (draft_kind in (DraftKind.MTP, DraftKind.STANDALONE)):
+            problems.append(f"draft_kind {draft_kind.value!r} with{'' if draft is not None else 'out'} a draft runner")
+        if collective_timeout_s <= 0:
+            problems.append(f"collective_timeout_s={collective_timeout_s} must be > 0")
+        if problems:
+            raise ValueError("invalid reference engine: " + "; ".join(problems))
+        self._runners: dict[Role, Runner] = {Role.TARGET: target}
+        if draft is not None:
+            self._runners[Role.DRAFT] = draft
+        self._draft_kind = draft_kind
+        self._draft_is_frozen = draft_is_frozen
+        self._scheduler = scheduler
+        self._model_path = model_path
+        self._policy = FinalizePolicy(finalize_policy)
+        self._timeout_s = collective_timeout_s
+        self._lock = threading.Lock()
+        self._session: _Session | None = None
+        self._stale: str | None = None
+        self._groups = UpdateGroups(timeout_s=collective_timeout_s)
+        self._checker = WeightsChecker(self._runners)
+
+    # ---- state -------------------------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self._scheduler.weight_version
+
+    @property
+    def stale_reason(self) -> str | None:
+        """Why generation is refused, or None when it is not."""
+        return self._stale
+
+    @property
+    def finalize_policy(self) -> FinalizePolicy:
+        return self._policy
+
+    @property
+    def is_paused(self) -> bool:
+        return self._scheduler.is_paused
+
+    def runner(self, role: Role) -> Runner | None:
+        """The runner playing `role`, or None (no draft runner for draft kinds none and ngram)."""
+        return self._runners.get(Role(role))
+
+    def draft_report(self) -> DraftReport:
+        draft = self._runners.get(Role.DRAFT)
+        owned = () if draft is None else tuple(sorted(draft.owned_names()))
+        return DraftReport(kind=self._draft_kind, owned_names=owned, is_frozen=self._draft_is_frozen)
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_path=self._model_path, weight_version=self.weight_version)
+
+    # ---- sessions ----------------------------------------------------------------------------------------------
+
+    def begin_weight_update(self, request: BeginWeightUpdateRequest) -> WeightUpdateResult:
+        with self._locked("begin_weight_update"):
+            if self._session is not None:
+                raise ValueError(
+                    f"a weight update session with selector {self._session.selector.value!r} is already open; "
+                    f"end it with /end_weight_update first"
+                )
+            runners = self._select(request.selector)
+            for runner in runners:
+                runner.reset_session()
+            self._session = _Session(selector=request.selector, runners=runners)
+        return WeightUpdateResult(success=True, message=f"weight update session open for {_describe(runners)}")
+
+    def end_weight_update(self, request: EndWeightUpdateRequest) -> WeightUpdateResult:
+        del request  # no fields
+        with self._locked("end_weight_update"):
+            session = self._session
+            if session is None:
+                raise ValueError("no weight update session is open: call /begin_weight_update first")
+            self._session = None
+            try:
+                problems = list(session.failures) + self._finalize(session)
+                finalized_any = session.has_loaded() or self._policy is FinalizePolicy.SGLANG
+            except Exception as exc:  # an engine fault mid-finalize: layouts may now be mixed
+                self._mark_stale(f"finalize failed: {exc}")
+                raise
+            finally:
+                loaded = {runner.role.value: len(runner.loaded_in_session()) for runner in session.runners}
+                for runner in session.runners:
+                    runner.reset_session()
+            if finalized_any:
+                self._scheduler.invalidate_cache()
+            if problems:
+                if any(loaded.values()):
+                    self._mark_stale(f"the session with selector {session.selector.value!r} failed")
+                raise ValueError("weight update session failed: " + _join(problems))
+            self._stale = None
+        return WeightUpdateResult(success=True, message=f"session finalized; tensors loaded per role: {loaded}")
+
+    def _finalize(self, session: _Session) -> list[str]:
+        """Post-process the session's runners per policy; returns the problems (strict: runners that loaded nothing)."""
+        problems = []
+        for runner in session.runners:
+            if self._policy is FinalizePolicy.SGLANG:
+                runner.finalize_all()
+                continue
+            loaded = runner.loaded_in_session()
+            if loaded:
+                runner.finalize(sorted(loaded))
+            else:
+                hint = " (a frozen draft needs selector 'target')" if runner.role is Role.DRAFT else ""
+                problems.append(
+                    f"the {runner.role.value} runner is selected by {session.selector.value!r} but loaded no tensor "
+                    f"in this session; the strict finalize policy leaves its weights untouched instead of "
+                    f"transforming them again{hint}"
+                )
+        return problems
+
+    def _select(self, selector: Selector) -> tuple[Runner, ...]:
+        roles = selector_roles(selector)
+        runners = tuple(
+            self._runners[role] for role in (Role.TARGET, Role.DRAFT) if role in roles and role in self._runners
+        )
+        if not runners:
+            raise ValueError(
+                f"selector {selector.value!r} covers no runner: this engine has no draft runner "
+                f"(draft kind {self._draft_kind.value!r})"
+            )
+        return runners
+
+    # ---- updates -----------------------------------------------------------------------------------------------
+
+    def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> WeightUpdateResult:
+        endpoint = "/update_weights_from_distributed"
+        with self._update_step(endpoint, request.selector) as session:
+            group = self._groups.get(request.group_name)
+            # Checks that decide whether the bytes can be received at all: failing them, nothing is received.
+            entries = self._receive_layout(request)
+            problems = self._payload_problems(session, [_meta(e) for e in entries])
+            try:
+                named = self._receive(group, entries, is_bucket=request.load_format is LoadFormat.FLATTENED_BUCKET)
+            except (TimeoutError, RuntimeError) as exc:
+                raise ValueError(f"receiving failed, group {group.group_name!r} is unusable: {exc}") from None
+            return self._load(session, named, problems, endpoint=endpoint, request=request)
+
+    def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> WeightUpdateResult:
+        endpoint = "/update_weights_from_tensor"
+        with self._update_step(endpoint, request.selector) as session:
+            if len(request.serialized_named_tensors) != _TP_SIZE:
+                raise ValueError(
+                    f"serialized_named_tensors has {len(request.serialized_named_tensors)} payloads; "
+                    f"this engine runs TP={_TP_SIZE} and takes exactly one"
+                )
+            load_format = None if request.load_format is None else request.load_format.value
+            named = decode_payload(request.serialized_named_tensors[_TP_RANK], load_format=load_format)
+            metas = [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in named]
+            problems = self._payload_problems(session, metas)
+            return self._load(session, named, problems, endpoint=endpoint, request=request)
+
+    @contextlib.contextmanager
+    def _update_step(self, endpoint: str, selector: Selector) -> Iterator[_Session]:
+        """One payload of the open session; any failure is recorded on the session and re-raised naming `endpoint`."""
+        with self._locked(endpoint):
+            session = self._session
+            if session is None:
+                raise ValueError(f"{endpoint} needs an open weight update session: call /begin_weight_update first")
+            try:
+                if selector != session.selector:
+                    raise ValueError(
+                        f"payload selector {selector.value!r} differs from the open session's selector "
+                        f"{session.selector.value!r}; begin, every payload and end must carry the same selector"
+                    )
+                yield session
+            except Exception as exc:
+                self._fail(session, f"{endpoint}: {exc}")
+                if isinstance(exc, ValueError):
+                    raise ValueError(f"{endpoint} refused: {exc}") from None
+                raise
+
+    def _receive_layout(self, request: UpdateWeightsFromDistributedRequest) -> tuple[BucketEntry, ...]:
+        if not request.names:
+            raise ValueError("names is empty; a payload carries at least one tensor")
+        if request.load_format is LoadFormat.FLATTENED_BUCKET:
+            return layout_from_metadata(names=request.names, dtypes=request.dtypes, shapes=request.shapes)
+        # Per-tensor: each tensor is its own broadcast, so only dtype names and dims need checking.
+        entries = []
+        negative = [f"{n} {list(s)}" for n, s in zip(request.names, request.shapes) if any(d < 0 for d in s)]
+        if negative:
+            raise ValueError(f"Negative dimension in received tensor(s): {'; '.join(negative)}")
+        for name, dtype, shape in zip(request.names, request.dtypes, request.shapes):
+            meta = TensorMeta(name=name, shape=tuple(shape), dtype=dtype_from_name(dtype))
+            entries.append(BucketEntry(name=name, shape=meta.shape, dtype=meta.dtype, start=0, end=meta.num_bytes))
+        return tuple(entries)
+
+    def _receive(self, group: UpdateGroup, entries: Sequence[BucketEntry], *, is_bucket: bool) -> list:
+        """The trainer broadcasts once per bucket (flattened) or once per tensor in request order."""
+        if is_bucket:
+            buffer = torch.empty(entries[-1].end, dtype=torch.uint8, device=group.device)
+            group.broadcast(buffer, src=_SOURCE_RANK, timeout_s=self._timeout_s)
+            return unpack_bucket(buffer.cpu(), entries)
+        named = []
+        for entry in entries:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype, device=group.device)
+            group.broadcast(tensor, src=_SOURCE_RANK, timeout_s=self._timeout_s)
+            named.append((entry.name, tensor.cpu()))
+        return named
+
+    def _payload_problems(self, session: _Session, metas: Sequence[TensorMeta]) -> list[str]:
+        """Everything wrong with a payload for this session's runners; empty when every runner can load it."""
+        problems = []
+        seen: set[str] = set()
+        selected = {runner.role for runner in session.runners}
+        for meta in metas:
+            if meta.name in seen:
+                problems.append(f"tensor {meta.name!r} appears twice in the payload")
+            seen.add(meta.name)
+            owners = [role for role, runner in self._runners.items() if meta.name in runner.owned_names()]
+            covered = [role for role in owners if role in selected]
+            if not owners:
+                problems.append(f"unknown parameter name {meta.name!r}: no runner of this engine has it")
+            elif not covered:
+                problems.append(
+                    f"tensor {meta.name!r} belongs to the {owners[0].value} runner, which selector "
+                    f"{session.selector.value!r} does not cover"
+                )
+            elif len(covered) > 1:
+                problems.append(
+                    f"tensor {meta.name!r} is owned by both the target and the {self._draft_kind.value} draft "
+                    f"runner: selector {session.selector.value!r} would load one tensor into two different models; "
+                    f"update them in separate sessions with selectors 'target' and 'draft'"
+                )
+            for role in covered:
+                expected = self._runners[role].expected(meta.name)
+                if expected.shape != meta.shape or expected.dtype != meta.dtype:
+                    problems.append(
+                        f"tensor {meta.name!r} for the {role.value} runner: expected shape {list(expected.shape)} "
+                        f"dtype {_dtype(expected.dtype)}, got shape {list(meta.shape)} dtype {_dtype(meta.dtype)}"
+                    )
+        return problems
+
+    def _load(
+        self, session: _Session, named: list, problems: list[str], *, endpoint: str, request
+    ) -> WeightUpdateResult:
+        if problems:
+            raise ValueError(f"no weight changed: {_join(problems)}")
+        if request.abort_all_requests:
+            self._scheduler.abort_all(f"aborted by {endpoint}(abort_all_requests=true)")
+        num_loaded = {}
+        # Validated above: a load that raises now is an engine fault, and earlier runners may hold the new bytes
+        # (the session records the failure and the engine turns stale).
+        for runner in session.runners:
+            num_loaded[runner.role.value] = len(runner.load(named))
+        if request.flush_cache:
+            self._scheduler.invalidate_cache()
+        if request.weight_version is not None:
+            self._scheduler.set_weight_version(request.weight_version)
+        return WeightUpdateResult(success=True, message=f"loaded {len(named)} tensor(s); per role: {num_loaded}")
+
+    def _fail(self, session: _Session, message: str) -> None:
+        session.failures.append(message)
+        if session.has_loaded():
+            self._mark_stale(message)
+
+    def _mark_stale(self, reason: str) -> None:
+        self._stale = reason
+        logger.warning("engine marked stale: %s", reason)
+
+    # ---- update groups -----------------------------------------------------------------------------------------
+
+    def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> WeightUpdateResult:
+        """Join the group; blocks until the rendezvous completes (run it off the server's event loop)."""
+        rank = request.rank_offset + _TP_RANK
+        if rank == _SOURCE_RANK or rank >= request.world_size:
+            raise ValueError(
+                f"engine rank {rank} (rank_offset {request.rank_offset} + tp_rank {_TP_RANK}) must be in "
+                f"1..{request.world_size - 1}: rank {_SOURCE_RANK} is the trainer's source"
+            )
+        self._groups.join(
+            master_address=request.master_address,
+            master_port=request.master_port,
+            rank=rank,
+            world_size=request.world_size,
+            group_name=request.group_name,
+            backend=request.backend,
+        )
+        return WeightUpdateResult(success=True, message=f"joined {request.group_name!r} as rank {rank}")
+
+    def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> WeightUpdateResult:
+        # Under the engine lock: never tear a group down under a payload that is receiving on it.
+        with self._locked("destroy_weights_update_group"):
+            self._groups.destroy(request.group_name)
+        return WeightUpdateResult(success=True, message=f"destroyed {request.group_name!r}")
+
+    def shutdown(self) -> None:
+        self._groups.close()
+        self._scheduler.shutdown()
+
+    # ---- version, checker --------------------------------------------------------------------------------------
+
+    def update_weight_version(self, request: UpdateWeightVersionRequest) -> WeightVersionResult:
+        with self._locked("update_weight_version"):
+            if request.abort_all_requests:
+                self._scheduler.abort_all("aborted by update_weight_version(abort_all_requests=true)")
+            self._scheduler.set_weight_version(request.new_version)
+        return WeightVersionResult(success=True, message="weight version updated", new_version=request.new_version)
+
+    def weights_checker(self, request: WeightsCheckerRequest) -> WeightsCheckerResult:
+        with self._locked("weights_checker"):
+            roles = {runner.role for runner in self._select(request.selector)}
+            result = self._checker.handle(request, roles=roles, is_session_open=self._session is not None)
+            if request.action is WeightsCheckerAction.RESET_TENSORS:
+                self._mark_stale("weights_checker reset_tensors overwrote the weights with random values")
+        return result
+
+    # ---- generation --------------------------------------------------------------------------------------------
+
+    def submit_generate(self, request: GenerateRequest) -> Future:
+        """Queue a generation; raises EngineStaleError while stale, ValueError for a bad request."""
+        if self._stale is not None:
+            raise EngineStaleError(
+                f"generation refused: the engine may hold partial weights ({self._stale}); "
+                f"it serves again after a weight update session completes"
+            )
+        return self._scheduler.submit(request)
+
+    def pause_generation(self, request: PauseGenerationRequest) -> GenerationControlResult:
+        self._scheduler.pause(request.mode, timeout_s=self._timeout_s)
+        return GenerationControlResult(message=f"generation paused (mode {request.mode.value})", status="ok")
+
+    def continue_generation(self, request: ContinueGenerationRequest) -> GenerationControlResult:
+        del request  # torch_empty_cache: nothing to release on CPU
+        self._scheduler.resume()
+        return GenerationControlResult(message="generation continued", status="ok")
+
+    def flush_cache(self) -> FlushCacheResult:
+        """Drop caches computed from the weights. Answers at once: 400 while requests run (waiting ones count
+        unless paused); callers retry while requests drain after a pause."""
+        running = self._scheduler.num_running
+        waiting = 0 if self._scheduler.is_paused else self._scheduler.num_waiting
+        if running or waiting:
+            return FlushCacheResult(
+                status_code=400, message=f"Cache not flushed: {running} request(s) running, {waiting} waiting."
+            )
+        self._scheduler.invalidate_cache()
+        return FlushCacheResult(status_code=200, message="Cache flushed.")
+
+    def load_state(self) -> dict[str, float | int | None]:
+        """Live numbers for /get_server_info: running mean accept length and queue sizes."""
+        return {
+            "avg_spec_accept_length": self._scheduler.avg_spec_accept_length,
+            "num_running": self._scheduler.num_running,
+            "num_waiting": self._scheduler.num_waiting,
+        }
+
+    # ---- plumbing ----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        # A collective can legitimately take up to the timeout; waiting longer than that means something is stuck.
+        if not self._lock.acquire(timeout=self._timeout_s + 5.0):
+            raise TimeoutError(f"{what}: another weight operation held the engine for over {self._timeout_s} s")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+def _meta(entry: BucketEntry) -> TensorMeta:
+    return TensorMeta(name=entry.name, shape=entry.shape, dtype=entry.dtype)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(runners: Sequence[Runner]) -> str:
+    return " and ".join(f"the {runner.role.value} runner" for runner in runners)
+
+
+def _join(problems: Sequence[str]) -> str:
+    shown = "; ".join(problems[:_MAX_PROBLEMS_SHOWN])
+    more = len(problems) - _MAX_PROBLEMS_SHOWN
+    return shown + (f"; and {more} more" if more > 0 else "")

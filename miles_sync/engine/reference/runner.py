@@ -1,0 +1,271 @@
+"""Runners: one served model each (the target, or a draft), with the weight storage a weight update writes into.
+
+Storage model, mirroring an engine whose kernels read a physical layout:
+
+- `stored_tensors()` are the physical bytes. With `WeightLayout.AITER`, every linear weight that `can_shuffle`
+  is kept shuffled after `finalize`; everything else is stored in the logical HF layout.
+- The module's parameters are the compute view. For a shuffled weight the forward reads
+  `unshuffle_weight(stored)`, decoded once per `finalize`, as a kernel reading that layout would; for every other
+  tensor the parameter IS the stored tensor, so a load is live immediately.
+- `finalize(names)` is the post-load hook: it shuffles the named linear weights in place and rebuilds the compute
+  view. It is not idempotent: finalizing bytes that were already shuffled corrupts the model with no error. That
+  is the behaviour of the real hook; guarding against it is the engine's finalize policy, not the runner's.
+
+All writes (load, finalize) happen under `weights_lock`, which the scheduler holds during every forward step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from miles_sync.engine.reference.models import (
+    CausalLM,
+    MTPHead,
+    mtp_prefix,
+    num_mtp_layers,
+    read_config,
+    read_safetensors,
+)
+from miles_sync.layout import WeightLayout, can_shuffle, shuffle_weight, unshuffle_weight
+from miles_sync.plan import TensorMeta
+from miles_sync.protocol import Role
+
+__all__ = [
+    "DRAFT_KINDS",
+    "Runner",
+    "load_mtp_runner",
+    "load_runners",
+    "load_standalone_runner",
+    "load_target_runner",
+]
+
+DRAFT_KINDS = ("none", "mtp", "standalone", "ngram")
+
+
+class Runner:
+    """A served model of one role with HF-named weight storage.
+
+    `model` is a `CausalLM` (target or standalone draft) or an `MTPHead` (MTP draft; it owns only its
+    `model.layers.N.*` names and reads the target's embedding and lm_head, which the target runner owns).
+    """
+
+    def __init__(
+        self,
+        *,
+        role: Role,
+        model: CausalLM | MTPHead,
+        layout: WeightLayout = WeightLayout.NONE,
+        weights_lock: threading.RLock | None = None,
+    ) -> None:
+        self.role = Role(role)
+        self.model = model.eval().requires_grad_(False)
+        self.layout = WeightLayout(layout)
+        self.weights_lock = threading.RLock() if weights_lock is None else weights_lock
+        self._params = model.hf_parameters()
+        self._linear_names = model.linear_weight_names()
+        self._shuffled = frozenset(
+            name
+            for name in self._linear_names
+            if self.layout is WeightLayout.AITER and can_shuffle(self._params[name].shape, self._params[name].dtype)
+        )
+        # A shuffled weight needs its own physical buffer; every other stored tensor is the parameter itself.
+        self._stored = {
+            name: (p.detach().clone() if name in self._shuffled else p.detach()) for name, p in self._params.items()
+        }
+        self._loaded: set[str] = set()
+        self._epoch = 0
+
+    # ---- what this runner owns ------------------------------------------------------------------------------
+
+    @property
+    def is_mtp(self) -> bool:
+        return isinstance(self.model, MTPHead)
+
+    @property
+    def weights_epoch(self) -> int:
+        """Increases on every load and finalize: anything computed from the weights at an older epoch is stale."""
+        return self._epoch
+
+    def owned_names(self) -> frozenset[str]:
+        """HF names this runner loads; every other name in a payload is skipped by `load`."""
+        return frozenset(self._stored)
+
+    def linear_weight_names(self) -> frozenset[str]:
+        """Owned names of linear weights, the tensors the finalize hook may transform."""
+        return self._linear_names
+
+    def shuffled_names(self) -> frozenset[str]:
+        """Owned names stored in the shuffled layout after finalize (empty unless the layout is AITER)."""
+        return self._shuffled
+
+    def expected(self, name: str) -> TensorMeta:
+        stored = self._stored.get(name)
+        if stored is None:
+            raise ValueError(f"{self.role} runner does not own tensor {name!r}")
+        return TensorMeta(name=name, shape=tuple(stored.shape), dtype=stored.dtype)
+
+    # ---- loading ------------------------------------------------------------------------------------------------
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy the owned tensors of `named` (logical HF layout) into storage; return their names in order.
+
+        Names this runner does not own are skipped. Every shape and dtype is checked before any byte is written:
+        on a mismatch this raises ValueError naming each offending tensor with expected and received meta, and
+        storage is untouched. Loaded names are recorded as fresh for this session.
+        """
+        owned = [(name, tensor) for name, tensor in named if name in self._stored]
+        problems = []
+        for name, tensor in owned:
+            stored = self._stored[name]
+            if tuple(tensor.shape) != tuple(stored.shape) or tensor.dtype != stored.dtype:
+                problems.append(
+                    f"{name}: expected shape {tuple(stored.shape)} dtype {_dtype_str(stored.dtype)}, "
+                    f"got shape {tuple(tensor.shape)} dtype {_dtype_str(tensor.dtype)}"
+                )
+        if problems:
+            raise ValueError(f"{self.role} runner rejected the payload: " + "; ".join(problems))
+        with self.weights_lock:
+            for name, tensor in owned:
+                self._stored[name].copy_(tensor)
+            self._loaded.update(name for name, _ in owned)
+            self._epoch += 1
+        return [name for name, _ in owned]
+
+    def loaded_in_session(self) -> frozenset[str]:
+        """Names loaded since the last `reset_session` (the fresh bytes a strict finalize may transform)."""
+        return frozenset(self._loaded)
+
+    def reset_session(self) -> None:
+        with self.weights_lock:
+            self._loaded.clear()
+
+    # ---- post-load processing ---------------------------------------------------------------------------------
+
+    def finalize(self, names: Iterable[str]) -> None:
+        """Post-load hook over `names`: apply the layout to each named linear weight, then rebuild the compute view.
+
+        Not idempotent with the AITER layout: each call shuffles the stored bytes of the named weights again,
+        whether or not they are fresh. Names that are not linear weights (or cannot be shuffled) are left as they
+        are. Unknown names raise ValueError before anything changes.
+        """
+        names = list(dict.fromkeys(names))
+        unknown = [name for name in names if name not in self._stored]
+        if unknown:
+            raise ValueError(f"{self.role} runner cannot finalize tensors it does not own: {', '.join(unknown)}")
+        with self.weights_lock:
+            for name in names:
+                if name in self._shuffled:
+                    stored = self._stored[name]
+                    stored.copy_(shuffle_weight(stored))
+            # The kernel's view of the physical bytes: decoded from every shuffled weight, stale or not.
+            for name in self._shuffled:
+                self._params[name].data.copy_(unshuffle_weight(self._stored[name]))
+            self._epoch += 1
+
+    def finalize_all(self) -> None:
+        """Finalize every linear weight this runner owns, as SGLang does per runner (and at start-up)."""
+        self.finalize(sorted(self._linear_names))
+
+    # ---- reading the weights ------------------------------------------------------------------------------------
+
+    def stored_tensors(self) -> Mapping[str, torch.Tensor]:
+        """Read-only view of the physical bytes, name -> live tensor (hold `weights_lock` for a consistent read)."""
+        return types.MappingProxyType(self._stored)
+
+    def logical_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors with the layout undone (copies for shuffled weights): what a trainer would hash.
+
+        Valid between sessions; between a load and its finalize a shuffled weight's stored bytes are still logical.
+        """
+        with self.weights_lock:
+            return {
+                name: (unshuffle_weight(stored) if name in self._shuffled else stored)
+                for name, stored in self._stored.items()
+            }
+
+    def __repr__(self) -> str:
+        kind = "mtp" if self.is_mtp else type(self.model).__name__
+        return f"Runner(role={self.role.value}, model={kind}, layout={self.layout.value}, tensors={len(self._stored)})"
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _populate(runner: Runner, tensors: Mapping[str, torch.Tensor], *, source: str) -> Runner:
+    """Fill a fresh runner from checkpoint tensors, then finalize it once (start-up post-processing)."""
+    missing = sorted(runner.owned_names() - tensors.keys())
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {source!r} lacks {len(missing)} tensor(s) of the {runner.role} runner: {shown}")
+    runner.load(tensors.items())
+    runner.reset_session()
+    runner.finalize_all()
+    return runner
+
+
+def load_target_runner(
+    path: str | os.PathLike, *, layout: WeightLayout = WeightLayout.NONE, weights_lock: threading.RLock | None = None
+) -> Runner:
+    """The target runner of a checkpoint directory; MTP names (`model.layers.N.*`) in it are ignored."""
+    model = CausalLM(read_config(path))
+    runner = Runner(role=Role.TARGET, model=model, layout=layout, weights_lock=weights_lock)
+    return _populate(runner, read_safetensors(path), source=str(path))
+
+
+def load_mtp_runner(
+    path: str | os.PathLike, *, target: Runner, layout: WeightLayout = WeightLayout.NONE
+) -> Runner:
+    """The MTP draft runner from the TARGET checkpoint at `path`; it shares the target's weights lock."""
+    config = read_config(path)
+    tensors = read_safetensors(path)
+    prefix = mtp_prefix(config)
+    if num_mtp_layers(config) < 1 and not any(name.startswith(prefix) for name in tensors):
+        raise ValueError(
+            f"checkpoint {str(path)!r} has no MTP layer: config num_nextn_predict_layers is 0 and no tensor is "
+            f"named {prefix}*"
+        )
+    model = MTPHead(config)
+    runner = Runner(role=Role.DRAFT, model=model, layout=layout, weights_lock=target.weights_lock)
+    return _populate(runner, tensors, source=str(path))
+
+
+def load_standalone_runner(
+    path: str | os.PathLike, *, layout: WeightLayout = WeightLayout.NONE, weights_lock: threading.RLock | None = None
+) -> Runner:
+    """A standalone draft model (its own embedding, layers and lm_head under the usual HF names)."""
+    model = CausalLM(read_config(path))
+    runner = Runner(role=Role.DRAFT, model=model, layout=layout, weights_lock=weights_lock)
+    return _populate(runner, read_safetensors(path), source=str(path))
+
+
+def load_runners(
+    model_path: str | os.PathLike,
+    *,
+    draft_kind: str = "none",
+    draft_path: str | os.PathLike | None = None,
+    layout: WeightLayout = WeightLayout.NONE,
+) -> tuple[Runner, Runner | None]:
+    """The target runner and, for draft_kind mtp or standalone, its draft runner (ngram and none have none).
+
+    All runners share one weights lock. Raises ValueError for an unknown kind or a missing/unneeded draft path.
+    """
+    kind = str(getattr(draft_kind, "value", draft_kind))
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f"draft_kind {kind!r} is not one of {', '.join(DRAFT_KINDS)}")
+    if (kind == "standalone") != (draft_path is not None):
+        raise ValueError(
+            f"draft_path={None if draft_path is None else str(draft_path)!r} with draft_kind {kind!r}: a draft "
+            f"path is required for 'standalone' and not accepted otherwise"
+        )
+    target = load_target_runner(model_path, layout=layout)
+    if kind == "mtp":
+        return target, load_mtp_runner(model_path, target=target, layout=layout)
+    if kind == "standalone":
+        return target, load_standalone_runner(draft_path, layout=layout, weights_lock=target.weights_lock)
+    return target, None

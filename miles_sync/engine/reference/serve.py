@@ -1,0 +1,148 @@
+"""Run the CPU reference engine behind SGLang's HTTP contract.
+
+    python -m miles_sync.engine.reference.serve --model DIR/target [--draft-kind mtp|standalone|ngram|none]
+        [--draft DIR/draft] [--weight-layout none|aiter] [--finalize-policy strict|sglang] [--spec-steps K]
+        [--host 127.0.0.1] [--port P] [--api-key KEY] [--threads T]
+
+Binds loopback unless told otherwise (default host from MILES_SYNC_HOST). `--port 0` lets the OS pick; once the
+server accepts connections it prints exactly one line "listening on http://HOST:PORT" to stdout, so a parent
+process can read the port. Logs go to stderr and never contain the API key. SIGTERM or SIGINT stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+import torch
+from aiohttp import web
+
+from miles_sync.engine.reference.engine import FinalizePolicy, ReferenceEngine
+from miles_sync.engine.reference.models import load_tokenizer
+from miles_sync.engine.reference.runner import DRAFT_KINDS, load_runners
+from miles_sync.engine.reference.scheduler import Scheduler
+from miles_sync.engine.reference.server import ServerSettings, create_app
+from miles_sync.env import read_environment
+from miles_sync.layout import WeightLayout
+from miles_sync.selector import DraftKind
+
+__all__ = ["build_engine", "main", "parse_args"]
+
+logger = logging.getLogger("miles_sync.engine.reference")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    env = read_environment()
+    parser = argparse.ArgumentParser(
+        prog="python -m miles_sync.engine.reference.serve", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", required=True, help="target checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--draft-kind", choices=DRAFT_KINDS, default="none")
+    parser.add_argument("--draft", default=None, help="standalone draft checkpoint directory")
+    parser.add_argument("--draft-is-frozen", action="store_true", help="report the draft as never updated")
+    parser.add_argument("--weight-layout", choices=[layout.value for layout in WeightLayout], default="none")
+    parser.add_argument("--finalize-policy", choices=[p.value for p in FinalizePolicy], default="strict")
+    parser.add_argument("--spec-steps", type=int, default=3)
+    parser.add_argument("--host", default=env.host)
+    parser.add_argument("--port", type=int, default=0, help="0: the OS picks a free port")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--collective-timeout-s", type=float, default=env.collective_timeout_s)
+    parser.add_argument("--generate-timeout-s", type=float, default=600.0)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    problems = []
+    if args.spec_steps < 1:
+        problems.append(f"--spec-steps {args.spec_steps} must be >= 1")
+    if not 0 <= args.port < 2**16:
+        problems.append(f"--port {args.port} is not a TCP port")
+    if args.threads is not None and args.threads < 1:
+        problems.append(f"--threads {args.threads} must be >= 1")
+    if args.api_key is not None and not args.api_key:
+        problems.append("--api-key is empty")
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def build_engine(args: argparse.Namespace) -> ReferenceEngine:
+    """Load the runners (finalized once, as at start-up), start the scheduler, wrap both in the engine."""
+    layout = WeightLayout(args.weight_layout)
+    target, draft = load_runners(args.model, draft_kind=args.draft_kind, draft_path=args.draft, layout=layout)
+    scheduler = Scheduler(
+        target=target,
+        draft=draft,
+        draft_kind=args.draft_kind,
+        spec_steps=args.spec_steps,
+        tokenizer=load_tokenizer(args.model),
+    )
+    return ReferenceEngine(
+        target=target,
+        draft=draft,
+        draft_kind=DraftKind(args.draft_kind),
+        scheduler=scheduler,
+        model_path=str(args.model),
+        finalize_policy=FinalizePolicy(args.finalize_policy),
+        collective_timeout_s=args.collective_timeout_s,
+        draft_is_frozen=args.draft_is_frozen,
+    )
+
+
+async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
+    settings = ServerSettings(
+        model_path=str(args.model),
+        draft_kind=args.draft_kind,
+        weight_layout=args.weight_layout,
+        spec_steps=args.spec_steps,
+        generate_timeout_s=args.generate_timeout_s,
+    )
+    app = create_app(engine, settings=settings, api_key=args.api_key)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        site = web.SockSite(runner, sock)
+        await site.start()
+        host, port = sock.getsockname()[:2]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
+        logger.info(
+            "serving %s (draft %s, layout %s, finalize policy %s, api key %s)",
+            args.model, args.draft_kind, args.weight_layout, args.finalize_policy,
+            "set" if args.api_key is not None else "not set",
+        )
+        print(f"listening on {url}", flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        sock.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    engine = build_engine(args)
+    try:
+        asyncio.run(_serve(args, engine))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

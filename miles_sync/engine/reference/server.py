@@ -1,0 +1,250 @@
+"""The reference engine's HTTP server: SGLang's paths, JSON and status codes over a `ReferenceEngine`.
+
+Status codes: weight endpoints answer 200 {success: true, message} or 400 {success: false, message}; a malformed
+body (bad JSON, unknown key, wrong type) is a 400 naming the field; 401 without the API key on an admin endpoint;
+503 while the engine is stale (generation) or busy past its timeout; 500 for an engine fault (logged, the server
+keeps serving). /flush_cache answers plain text.
+
+Blocking engine calls (collectives, rendezvous, pause) run on a thread pool so the event loop keeps serving
+generation and reads meanwhile; the engine serializes weight operations itself.
+
+API key: with one set, every admin endpoint (weight updates, sessions, groups, pause, continue, flush, checker,
+version) needs `Authorization: Bearer <key>`. Left open: /health, /health_generate, /generate, /model_info,
+/get_model_info, /get_server_info, /get_draft_report — read-only or rollout traffic, which the trainer-side
+controller never needs to authenticate and rollout workers call at high rate. The key is never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from miles_sync import __version__
+from miles_sync.codec import decode, encode
+from miles_sync.engine.reference.engine import EngineStaleError, ReferenceEngine
+from miles_sync.protocol import (
+    ENDPOINTS,
+    ContinueGenerationRequest,
+    FlushCacheRequest,
+    GenerateRequest,
+    PauseGenerationRequest,
+    SamplingParams,
+)
+
+__all__ = ["ADMIN_PATHS", "OPEN_PATHS", "ServerSettings", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset(
+    {
+        "/health", "/health_generate", "/generate", "/model_info", "/get_model_info", "/get_server_info",
+        "/get_draft_report",
+    }
+)  # fmt: skip
+ADMIN_PATHS = frozenset({*ENDPOINTS, "/flush_cache"} - OPEN_PATHS)
+
+_SPECULATIVE_ALGORITHMS = {"mtp": "NEXTN", "standalone": "STANDALONE", "ngram": "NGRAM"}
+
+# Engine methods behind a JSON POST that answers a weight-style {success, message} record.
+_WEIGHT_METHODS = {
+    "/init_weights_update_group": "init_weights_update_group",
+    "/destroy_weights_update_group": "destroy_weights_update_group",
+    "/begin_weight_update": "begin_weight_update",
+    "/end_weight_update": "end_weight_update",
+    "/update_weights_from_distributed": "update_weights_from_distributed",
+    "/update_weights_from_tensor": "update_weights_from_tensor",
+    "/update_weight_version": "update_weight_version",
+    "/weights_checker": "weights_checker",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """What /get_server_info reports besides the engine's live state, and the server's own waits."""
+
+    model_path: str
+    draft_kind: str
+    weight_layout: str
+    spec_steps: int
+    generate_timeout_s: float
+    health_timeout_s: float = 30.0
+
+
+def create_app(
+    engine: ReferenceEngine,
+    *,
+    settings: ServerSettings,
+    api_key: str | None = None,
+    max_body_bytes: int = 256 * 2**20,
+    num_threads: int = 8,
+) -> web.Application:
+    """The aiohttp application; its thread pool shuts down with the app."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must be None or a non-empty string")
+    executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="reference-http")
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_auth_middleware(api_key), _error_middleware])
+
+    async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+
+    def weight_handler(path: str, method_name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        request_cls = ENDPOINTS[path]
+        method = getattr(engine, method_name)
+
+        async def handle(request: web.Request) -> web.Response:
+            body = decode(request_cls, await _json_body(request))
+            return _json(encode(await in_thread(method, body)))
+
+        return handle
+
+    for path, method_name in _WEIGHT_METHODS.items():
+        app.router.add_post(path, weight_handler(path, method_name))
+
+    async def pause_generation(request: web.Request) -> web.Response:
+        body = decode(PauseGenerationRequest, await _json_body(request))
+        return _json(encode(await in_thread(engine.pause_generation, body)))
+
+    async def continue_generation(request: web.Request) -> web.Response:
+        body = decode(ContinueGenerationRequest, await _json_body(request))
+        return _json(encode(await in_thread(engine.continue_generation, body)))
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        query = dict(request.query)
+        if "timeout" in query:
+            try:
+                query["timeout"] = float(query["timeout"])
+            except ValueError:
+                raise ValueError(f"flush_cache: timeout={query['timeout']!r} is not a number of seconds") from None
+        # `timeout` bounds how long SGLang waits for its scheduler's answer; this engine answers at once.
+        decode(FlushCacheRequest, query)
+        result = engine.flush_cache()
+        return web.Response(status=result.status_code, text=result.message)
+
+    async def generate(request: web.Request) -> web.Response:
+        body = decode(GenerateRequest, await _json_body(request))
+        future = engine.submit_generate(body)
+        response = await asyncio.wait_for(asyncio.wrap_future(future), timeout=settings.generate_timeout_s)
+        return _json(encode(response))
+
+    async def health_generate(request: web.Request) -> web.Response:
+        del request
+        if engine.stale_reason is not None:
+            return _json({"success": False, "message": f"stale: {engine.stale_reason}"}, status=503)
+        if not engine.is_paused:
+            # One real token, as SGLang's health check does: the scheduler loop must be alive.
+            probe = GenerateRequest(input_ids=(0,), sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
+            await asyncio.wait_for(asyncio.wrap_future(engine.submit_generate(probe)), settings.health_timeout_s)
+        return web.Response(text="ok")
+
+    async def health(request: web.Request) -> web.Response:
+        del request
+        return web.Response(text="ok")
+
+    async def model_info(request: web.Request) -> web.Response:
+        del request
+        return _json(encode(engine.model_info()))
+
+    async def draft_report(request: web.Request) -> web.Response:
+        del request
+        return _json(encode(engine.draft_report()))
+
+    async def server_info(request: web.Request) -> web.Response:
+        del request
+        return _json(
+            {
+                "model_path": settings.model_path,
+                "tp_size": 1,
+                "speculative_algorithm": _SPECULATIVE_ALGORITHMS.get(settings.draft_kind),
+                "speculative_num_steps": settings.spec_steps if settings.draft_kind != "none" else None,
+                "draft_kind": settings.draft_kind,
+                "weight_layout": settings.weight_layout,
+                "finalize_policy": engine.finalize_policy.value,
+                "version": f"miles_sync-reference-{__version__}",
+                "internal_states": [
+                    {
+                        **engine.load_state(),
+                        "weight_version": engine.weight_version,
+                        "is_paused": engine.is_paused,
+                        "is_stale": engine.stale_reason is not None,
+                    }
+                ],
+            }
+        )
+
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/model_info", model_info)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/get_draft_report", draft_report)
+
+    async def shutdown(app: web.Application) -> None:
+        del app
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(shutdown)
+    return app
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        return {}  # SGLang clients post no body to endpoints without fields (/end_weight_update)
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{request.path}: body is not valid JSON: {exc}") from None
+
+
+def _json(obj: Any, *, status: int = 200) -> web.Response:
+    return web.json_response(obj, status=status)
+
+
+def _failure(status: int, message: str) -> web.Response:
+    return _json({"success": False, "message": message}, status=status)
+
+
+def _auth_middleware(api_key: str | None):
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        # Unknown paths and wrong methods keep their 404/405 so clients can probe which endpoints exist.
+        if expected is not None and request.path in ADMIN_PATHS and request.match_info.http_exception is None:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _failure(401, f"{request.path} needs 'Authorization: Bearer <api key>'")
+        return await handler(request)
+
+    return auth
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except EngineStaleError as exc:
+        return _failure(503, str(exc))
+    except ValueError as exc:
+        return _failure(400, str(exc))
+    except (TimeoutError, asyncio.TimeoutError) as exc:
+        return _failure(503, f"{request.path} timed out: {exc}")
+    except Exception as exc:  # an engine fault answers 500 with its message; the server keeps serving
+        logger.exception("%s failed", request.path)
+        return _failure(500, f"{request.path} failed: {type(exc).__name__}: {exc}")
