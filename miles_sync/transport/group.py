@@ -1,0 +1,231 @@
+"""The weight-update process group: one torch.distributed group per trainer/engine fleet, built from a TCP store.
+
+The group never touches torch.distributed's default group or its registry: the process group object is built
+directly on a `TCPStore` behind the prefixes SGLang's `init_custom_process_group` uses
+(`<group_name>` / `<group_name>/` / `<device>/`), so a trainer and engines using either helper meet in the same
+store, and a Megatron process that already has a default group can join a second, unrelated one. The trainer's
+source rank is rank 0 and usually hosts the store (`start_store_server`, port chosen by the OS).
+
+Every blocking step has a timeout: store connection, rendezvous at creation, and each collective (`work.wait`).
+After a timed-out or failed collective the group is unusable (peers may be mid-collective): every later call raises,
+and the owner destroys it and creates a new one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["UpdateGroup", "create_update_group", "start_store_server"]
+
+_BACKENDS = ("gloo", "nccl")
+
+
+def start_store_server(*, host: str, port: int = 0, timeout_s: float) -> dist.TCPStore:
+    """Start the group's rendezvous store on `host`:`port` (0: the OS picks; read it back from `.port`).
+
+    Returns at once; pass the store to `create_update_group(store=...)` on the rank that hosts it.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class UpdateGroup:
+    """A process group of `world_size` ranks for broadcasting weights; this process is `rank`.
+
+    Safe to use from one thread at a time; collectives must be issued in the same order on every rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        process_group: dist.ProcessGroup,
+        store: dist.Store,
+        group_name: str,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+    ) -> None:
+        self._process_group = process_group
+        self._store = store  # kept alive for the group's lifetime: the store server may live in this process
+        self.group_name = group_name
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def is_usable(self) -> bool:
+        return self._broken is None and self._process_group is not None
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, timeout_s: float) -> None:
+        """Broadcast `tensor` in place from rank `src`; waits at most `timeout_s` seconds.
+
+        `tensor` must be contiguous and live on `self.device` (gloo sends wrong bytes for non-contiguous tensors);
+        any dtype works, the bytes travel as they are.
+        Raises TimeoutError or RuntimeError; after either the group is unusable.
+        """
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src {src} is outside group {self.group_name!r} of size {self.world_size}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"broadcast needs a contiguous tensor; got strides {tensor.stride()}")
+        if tensor.device != self.device:
+            raise ValueError(f"group {self.group_name!r} broadcasts on {self.device}, tensor is on {tensor.device}")
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        # The backend's own deadline: without it a timed-out wait leaves the collective pending in the backend's
+        # worker until the group's default timeout, and destroy() would wait for it.
+        options.timeout = timedelta(seconds=timeout_s)
+        # A broadcast moves bytes: sending the uint8 view works for every dtype (gloo has no float8 kernels) and
+        # meets a peer that sends the typed tensor of the same byte size.
+        raw = tensor.reshape(-1).view(torch.uint8)
+        self._run(lambda pg: pg.broadcast([raw], options), what=f"broadcast from rank {src}", timeout_s=timeout_s)
+
+    def barrier(self, *, timeout_s: float) -> None:
+        """Wait until every rank reached the barrier, at most `timeout_s` seconds."""
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        options = dist.AllreduceOptions()
+        options.timeout = timedelta(seconds=timeout_s)
+        self._run(lambda pg: pg.allreduce([flag], options), what="barrier", timeout_s=timeout_s)
+
+    def destroy(self) -> None:
+        """Release the process group and the store connection. Idempotent; later calls on the group raise.
+
+        Waits for a collective in flight on another thread, at most that collective's timeout.
+        """
+        with self._lock:
+            process_group, self._process_group = self._process_group, None
+            self._store = None
+        if process_group is None:
+            return
+        try:
+            process_group.shutdown()
+        except RuntimeError:
+            pass  # a group broken by a peer may refuse a clean shutdown; dropping it is enough
+
+    def _run(self, issue, *, what: str, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        with self._lock:
+            if self._process_group is None:
+                raise RuntimeError(f"update group {self.group_name!r} was destroyed")
+            if self._broken is not None:
+                raise RuntimeError(f"update group {self.group_name!r} is unusable after: {self._broken}")
+            try:
+                work = issue(self._process_group)
+                completed = work.wait(timedelta(seconds=timeout_s))
+            except RuntimeError as exc:
+                self._broken = f"{what} failed: {exc}"
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                    raise TimeoutError(f"{what} in group {self.group_name!r} timed out after {timeout_s} s") from exc
+                raise
+            if completed is False:
+                self._broken = f"{what} timed out"
+                raise TimeoutError(f"{what} in group {self.group_name!r} timed out after {timeout_s} s")
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+
+
+def create_update_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
+    local_address: str | None = None,
+) -> UpdateGroup:
+    """Join (rank 0 with `store`: host) the group; blocks until all `world_size` ranks joined or `timeout_s` passed.
+
+    `store`: the `start_store_server` store when this rank hosts it; other ranks connect to
+    `master_address`:`master_port`. `local_address`: the address this rank's gloo transport binds; by default
+    127.0.0.1 when the master is on loopback, else gloo's own choice (GLOO_SOCKET_IFNAME). The timeout also becomes
+    the default for the group's collectives. Raises ValueError for bad arguments, TimeoutError when the rendezvous
+    does not complete in time.
+    """
+    problems = []
+    if backend not in _BACKENDS:
+        problems.append(f"backend {backend!r} is not one of {list(_BACKENDS)}")
+    if world_size < 1:
+        problems.append(f"world_size {world_size} must be >= 1")
+    if not 0 <= rank < max(world_size, 1):
+        problems.append(f"rank {rank} is outside [0, {world_size})")
+    if store is None and not 0 < master_port < 2**16:
+        problems.append(f"master_port {master_port} is not a TCP port")
+    if not group_name:
+        problems.append("group_name is empty")
+    if timeout_s <= 0:
+        problems.append(f"timeout_s {timeout_s} must be > 0")
+    if backend == "nccl" and not torch.cuda.is_available():
+        problems.append("backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
+    if problems:
+        raise ValueError("cannot create update group: " + "; ".join(problems))
+
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if store is None:
+            store = dist.TCPStore(master_address, master_port, is_master=False, timeout=timeout)
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        prefixed = dist.PrefixStore(group_name, store)
+        prefixed = dist.PrefixStore(f"{device_type}/", dist.PrefixStore(f"{group_name}/", prefixed))
+        if backend == "gloo":
+            process_group, device = _gloo(prefixed, rank, world_size, timeout, master_address, local_address)
+        else:
+            process_group, device = _nccl(prefixed, rank, world_size, timeout)
+    except (RuntimeError, dist.DistStoreError) as exc:
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            raise TimeoutError(
+                f"update group {group_name!r} (rank {rank} of {world_size}) did not rendezvous at "
+                f"{master_address}:{master_port} within {timeout_s} s"
+            ) from exc
+        raise
+    return UpdateGroup(
+        process_group=process_group,
+        store=store,
+        group_name=group_name,
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        device=device,
+    )
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _gloo(store, rank, world_size, timeout, master_address, local_address):
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    if local_address is None and _is_loopback(master_address):
+        local_address = "127.0.0.1"
+    if local_address is None:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options), torch.device("cpu")
+
+
+def _nccl(store, rank, world_size, timeout):
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    device = torch.device("cuda", torch.cuda.current_device())
+    return dist.ProcessGroupNCCL(store, rank, world_size, options), device
