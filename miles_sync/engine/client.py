@@ -1,0 +1,349 @@
+"""One HTTP client for SGLang-compatible engines: SGLang servers and the built-in reference engine alike.
+
+Contract (every method):
+- a timeout on every call (the client default, or a per-call override); nothing waits forever;
+- weight endpoints answer {success, message}: success false or a non-2xx status raises EngineError carrying the
+  engine URL, endpoint, HTTP status and the server's message (400 bodies are surfaced, not swallowed);
+- control calls to one engine are serialized by a per-client lock, because responses carry no operation id and an
+  engine applies control operations in arrival order; generate and read-only GETs are not serialized;
+- `connect()` probes the endpoints a sync needs, so a server without the session endpoints fails at connect with
+  the missing endpoint named, not at the first sync.
+
+The client is bound to the event loop it first runs on (aiohttp's session is); create it where it is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+
+from miles_sync.codec import decode, encode
+from miles_sync.protocol import (
+    BeginWeightUpdateRequest,
+    ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
+    GenerateRequest,
+    GenerateResponse,
+    GenerationControlResult,
+    InitWeightsUpdateGroupRequest,
+    ModelInfo,
+    PauseGenerationRequest,
+    PauseMode,
+    Selector,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+    WeightsCheckerRequest,
+    WeightsCheckerResult,
+    WeightUpdateResult,
+    WeightVersionResult,
+)
+from miles_sync.selector import DraftReport
+
+__all__ = [
+    "CONTROL_ENDPOINTS",
+    "SESSION_ENDPOINTS",
+    "EngineClient",
+    "EngineError",
+    "ServerInfo",
+]
+
+R = TypeVar("R")
+
+# Added to SGLang 0.5.23 for update sessions; older servers lack them and would finalize on every payload.
+SESSION_ENDPOINTS: tuple[str, ...] = ("/begin_weight_update", "/end_weight_update")
+# POST-only endpoints every sync uses; each transport adds its own (transport.base.TRANSPORTS). /flush_cache is
+# left out of the probe on purpose: SGLang also serves it on GET, so probing it would flush the cache.
+CONTROL_ENDPOINTS: tuple[str, ...] = (
+    *SESSION_ENDPOINTS,
+    "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
+    "/weights_checker",
+)
+_MAX_MESSAGE_CHARS = 2000  # server messages are surfaced in exceptions; cap what a broken server can inject
+
+
+class EngineError(RuntimeError):
+    """An engine call failed. `status` is the HTTP status, None when no answer came (timeout, refused)."""
+
+    def __init__(self, *, url: str, endpoint: str, status: int | None, message: str) -> None:
+        message = message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "..."
+        self.url = url
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+        answer = "no answer" if status is None else f"HTTP {status}"
+        super().__init__(f"engine {url} {endpoint}: {answer}: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only __init__: rebuild explicitly so the error pickles across Ray and process boundaries.
+        return (_rebuild_engine_error, (self.url, self.endpoint, self.status, self.message))
+
+
+def _rebuild_engine_error(url: str, endpoint: str, status: int | None, message: str) -> EngineError:
+    return EngineError(url=url, endpoint=endpoint, status=status, message=message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerInfo:
+    """The part of /get_server_info a sync needs; real servers send many more keys, which are ignored."""
+
+    tp_size: int = 1
+    speculative_algorithm: str | None = None
+
+
+class EngineClient:
+    """HTTP client of one engine. Async; bound to one event loop; `close()` when done (or use `async with`).
+
+    `flush_drain_s`: how long `flush_cache` keeps retrying while the engine answers 400 (requests still draining).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        api_key: str | None = None,
+        flush_drain_s: float = 30.0,
+        flush_backoff_s: tuple[float, float] = (0.02, 1.0),
+    ) -> None:
+        problems = []
+        if not url.startswith(("http://", "https://")):
+            problems.append(f"url={url!r} must start with http:// or https://")
+        if not timeout_s > 0:
+            problems.append(f"timeout_s={timeout_s} must be positive")
+        if flush_drain_s < 0:
+            problems.append(f"flush_drain_s={flush_drain_s} must be non-negative")
+        if not 0 < flush_backoff_s[0] <= flush_backoff_s[1]:
+            problems.append(f"flush_backoff_s={flush_backoff_s} must be (first, max) with 0 < first <= max")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self._flush_drain_s = flush_drain_s
+        self._flush_backoff_s = flush_backoff_s
+        self._session: aiohttp.ClientSession | None = None
+        self._control_lock: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"  # never the API key
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    # ---- connect --------------------------------------------------------------------------------------------
+
+    async def connect(self, *, required: Sequence[str] = CONTROL_ENDPOINTS) -> ServerInfo:
+        """Check the server answers and serves every `required` POST endpoint; return its server info.
+
+        The probe is a GET to each POST-only path: a server answers 405 (method not allowed) for a route it has
+        and 404 for one it lacks, and no handler runs. Raises EngineError naming every missing endpoint.
+        """
+        info = await self.server_info()
+        statuses = await asyncio.gather(*(self._probe(path) for path in required))
+        missing = [path for path, status in zip(required, statuses) if status == 404]
+        if missing:
+            raise EngineError(
+                url=self.url,
+                endpoint=missing[0],
+                status=404,
+                message=f"server lacks the endpoint(s) {', '.join(missing)} that weight sync needs "
+                f"(SGLang with update sessions and selectors, or the miles_sync reference engine)",
+            )
+        return info
+
+    async def _probe(self, path: str) -> int:
+        status, body = await self._request("GET", path, timeout_s=None)
+        if status in (401, 403):
+            raise EngineError(url=self.url, endpoint=path, status=status, message=f"not authorized: {body}")
+        return status
+
+    # ---- read-only ------------------------------------------------------------------------------------------
+
+    async def server_info(self, *, timeout_s: float | None = None) -> ServerInfo:
+        return decode(ServerInfo, await self._get_json("/get_server_info", timeout_s=timeout_s), allow_unknown=True)
+
+    async def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
+        return decode(ModelInfo, await self._get_json("/model_info", timeout_s=timeout_s), allow_unknown=True)
+
+    async def draft_report(self, *, timeout_s: float | None = None) -> DraftReport | None:
+        """The engine's report about its draft; None when the server has no /get_draft_report (plain SGLang)."""
+        status, body = await self._request("GET", "/get_draft_report", timeout_s=timeout_s)
+        if status == 404:
+            return None
+        return decode(DraftReport, self._json_or_raise("/get_draft_report", status, body), allow_unknown=True)
+
+    async def health_generate(self, *, timeout_s: float | None = None) -> None:
+        status, body = await self._request("GET", "/health_generate", timeout_s=timeout_s)
+        if not 200 <= status < 300:
+            raise EngineError(url=self.url, endpoint="/health_generate", status=status, message=body)
+
+    async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateResponse:
+        status, body = await self._request("POST", "/generate", json_body=encode(request), timeout_s=timeout_s)
+        return decode(GenerateResponse, self._json_or_raise("/generate", status, body), allow_unknown=True)
+
+    # ---- control (serialized per engine) --------------------------------------------------------------------
+
+    async def init_weights_update_group(
+        self, request: InitWeightsUpdateGroupRequest, *, timeout_s: float | None = None
+    ) -> None:
+        """Blocks until every member joined: issue it concurrently with the trainer's own join."""
+        await self._weight_call("/init_weights_update_group", request, timeout_s=timeout_s)
+
+    async def destroy_weights_update_group(
+        self, request: DestroyWeightsUpdateGroupRequest, *, timeout_s: float | None = None
+    ) -> None:
+        await self._weight_call("/destroy_weights_update_group", request, timeout_s=timeout_s)
+
+    async def begin_weight_update(self, selector: Selector, *, timeout_s: float | None = None) -> None:
+        request = BeginWeightUpdateRequest(selector=selector)
+        await self._weight_call("/begin_weight_update", request, timeout_s=timeout_s)
+
+    async def end_weight_update(self, *, timeout_s: float | None = None) -> None:
+        await self._weight_call("/end_weight_update", EndWeightUpdateRequest(), timeout_s=timeout_s)
+
+    async def update_weights_from_distributed(
+        self, request: UpdateWeightsFromDistributedRequest, *, timeout_s: float | None = None
+    ) -> None:
+        """Answers after the engine received the broadcast that follows this request."""
+        await self._weight_call("/update_weights_from_distributed", request, timeout_s=timeout_s)
+
+    async def update_weights_from_tensor(
+        self, request: UpdateWeightsFromTensorRequest, *, timeout_s: float | None = None
+    ) -> None:
+        await self._weight_call("/update_weights_from_tensor", request, timeout_s=timeout_s)
+
+    async def update_weight_version(self, new_version: str, *, timeout_s: float | None = None) -> None:
+        request = UpdateWeightVersionRequest(new_version=new_version)
+        result = await self._control("/update_weight_version", request, WeightVersionResult, timeout_s=timeout_s)
+        self._check_success("/update_weight_version", result.success, result.message)
+
+    async def weights_checker(
+        self, request: WeightsCheckerRequest, *, timeout_s: float | None = None
+    ) -> WeightsCheckerResult:
+        result = await self._control("/weights_checker", request, WeightsCheckerResult, timeout_s=timeout_s)
+        self._check_success("/weights_checker", result.success, result.message)
+        return result
+
+    async def pause_generation(self, mode: PauseMode, *, timeout_s: float | None = None) -> None:
+        request = PauseGenerationRequest(mode=mode)
+        result = await self._control("/pause_generation", request, GenerationControlResult, timeout_s=timeout_s)
+        self._check_status_ok("/pause_generation", result)
+
+    async def continue_generation(self, *, torch_empty_cache: bool = True, timeout_s: float | None = None) -> None:
+        request = ContinueGenerationRequest(torch_empty_cache=torch_empty_cache)
+        result = await self._control("/continue_generation", request, GenerationControlResult, timeout_s=timeout_s)
+        self._check_status_ok("/continue_generation", result)
+
+    async def flush_cache(self, *, server_wait_s: float | None = None, timeout_s: float | None = None) -> None:
+        """Flush the KV/prefix cache, retrying with back-off only while the engine answers 400 (requests still
+        running, which drain after a pause) and for at most `flush_drain_s`; any other failure raises at once.
+
+        `server_wait_s`: how long the engine itself may wait for running requests per call (its `timeout` query
+        parameter; None: the engine's default, an immediate answer). Each call is bounded by `timeout_s` on top.
+        """
+        call_s = self.timeout_s if timeout_s is None else timeout_s
+        call_s += 0.0 if server_wait_s is None else server_wait_s
+        params = {} if server_wait_s is None else {"timeout": str(server_wait_s)}
+        deadline = time.monotonic() + self._flush_drain_s
+        delay_s, max_delay_s = self._flush_backoff_s
+        while True:
+            async with self._lock():
+                status, body = await self._request("POST", "/flush_cache", params=params, timeout_s=call_s)
+            if 200 <= status < 300:
+                return
+            remaining_s = deadline - time.monotonic()
+            if status != 400 or remaining_s <= 0:
+                drained = "" if status != 400 else f" (requests still running after {self._flush_drain_s} s)"
+                raise EngineError(url=self.url, endpoint="/flush_cache", status=status, message=body + drained)
+            await asyncio.sleep(min(delay_s, remaining_s))
+            delay_s = min(delay_s * 2, max_delay_s)
+
+    # ---- plumbing -------------------------------------------------------------------------------------------
+
+    def _lock(self) -> asyncio.Lock:
+        # Created on first use so that it belongs to the running loop.
+        if self._control_lock is None:
+            self._control_lock = asyncio.Lock()
+        return self._control_lock
+
+    async def _weight_call(self, endpoint: str, request: object, *, timeout_s: float | None) -> None:
+        result = await self._control(endpoint, request, WeightUpdateResult, timeout_s=timeout_s)
+        self._check_success(endpoint, result.success, result.message)
+
+    async def _control(self, endpoint: str, request: object, result_cls: type[R], *, timeout_s: float | None) -> R:
+        async with self._lock():
+            status, body = await self._request("POST", endpoint, json_body=encode(request), timeout_s=timeout_s)
+        return decode(result_cls, self._json_or_raise(endpoint, status, body), allow_unknown=True)
+
+    def _json_or_raise(self, endpoint: str, status: int, body: str) -> Any:
+        """Parsed JSON of a 2xx answer; EngineError with the server's message for anything else."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        if not 200 <= status < 300:
+            message = data.get("message") if isinstance(data, dict) else None
+            message = message if isinstance(message, str) and message else body
+            raise EngineError(url=self.url, endpoint=endpoint, status=status, message=message)
+        if data is None:
+            raise EngineError(url=self.url, endpoint=endpoint, status=status, message=f"answer is not JSON: {body}")
+        return data
+
+    def _check_success(self, endpoint: str, success: bool, message: str) -> None:
+        if not success:
+            raise EngineError(url=self.url, endpoint=endpoint, status=200, message=message)
+
+    def _check_status_ok(self, endpoint: str, result: GenerationControlResult) -> None:
+        if result.status != "ok":
+            raise EngineError(url=self.url, endpoint=endpoint, status=200, message=f"{result.status}: {result.message}")
+
+    async def _get_json(self, endpoint: str, *, timeout_s: float | None) -> Any:
+        status, body = await self._request("GET", endpoint, timeout_s=timeout_s)
+        return self._json_or_raise(endpoint, status, body)
+
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        *,
+        timeout_s: float | None,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+    ) -> tuple[int, str]:
+        """(status, body text) of one call; EngineError(status=None) when no answer came within the timeout."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self._headers)
+        try:
+            async with self._session.request(
+                method,
+                self.url + endpoint,
+                json=json_body,
+                params=params,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                return response.status, await response.text()
+        except asyncio.TimeoutError:
+            raise EngineError(url=self.url, endpoint=endpoint, status=None, message=f"timed out after {timeout_s} s")
+        except aiohttp.ClientError as e:
+            raise EngineError(
+                url=self.url, endpoint=endpoint, status=None, message=f"{type(e).__name__}: {e}"
+            ) from None

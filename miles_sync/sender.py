@@ -1,0 +1,357 @@
+"""The trainer side of a sync: exported units -> bucket plan -> flattened buckets -> transport.
+
+Double buffering: bucket i+1 is exported and packed (in a worker thread) while bucket i is in flight, into the
+other of two buffers of `bucket_bytes` each; a buffer is reused only after its bucket was acknowledged by every
+engine. Memory on the source rank stays bounded by two buffers plus the units of the bucket being packed (and one
+unit the planner looked ahead at), never the whole model. Buffers are allocated per sync and dropped after it, which
+also releases any shared memory the colocated transport mapped them into.
+
+The sender also returns the checksum of every tensor it sent, hashed from the packed bytes, i.e. exactly what went
+on the wire; the session compares them with each engine's checksums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from miles_sync.bucket import FlattenedBucket, pack_bucket, unpack_bucket
+from miles_sync.checksum import tensor_checksum
+from miles_sync.export.units import ExportedUnit
+from miles_sync.plan import BucketPlan, plan_buckets
+from miles_sync.protocol import Selector
+from miles_sync.report import BucketProgress
+from miles_sync.engine.client import EngineClient
+from miles_sync.transport.base import (
+    TRANSPORTS,
+    EngineEndpoint,
+    EngineTarget,
+    GroupMembership,
+    Transport,
+    create_transport,
+    needs_update_group,
+)
+
+__all__ = [
+    "DoubleBuffer",
+    "PackedBucket",
+    "SendResult",
+    "Sender",
+    "WeightSource",
+    "pair_with_plans",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendResult:
+    """What one `send` delivered. `checksums`: tensor name -> checksum of the bytes sent (empty on non-source
+    ranks). Times: `export_s` pulling units from the export stream, `pack_s` packing and hashing, both overlapped
+    with sending; `send_s` wall time of the whole send."""
+
+    num_bytes: int
+    num_buckets: int
+    num_tensors: int
+    checksums: dict[str, str]
+    export_s: float
+    pack_s: float
+    send_s: float
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """The trainer side as the session and controller see it: a local Sender, or a proxy for trainer actors in
+    other processes.
+
+    `open` (re)builds the transport to `engines` (in membership order) and, for transports with an update group,
+    joins `membership` while the engines do; it returns the membership bound to its port (None without a group).
+    `send` exports and sends the current weights once, calling `on_bucket` after each acknowledged bucket.
+    `close` tears the transport down (idempotent). Any failure raises.
+    """
+
+    async def exported_names(self) -> tuple[str, ...]: ...
+
+    async def open(
+        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
+    ) -> GroupMembership | None: ...
+
+    async def send(
+        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
+    ) -> SendResult: ...
+
+    async def close(self) -> None: ...
+
+
+def pair_with_plans(
+    units: Iterable[ExportedUnit], *, cap_bytes: int
+) -> Iterator[tuple[BucketPlan, list[ExportedUnit]]]:
+    """Stream (bucket plan, its exported units) pairs, lazily and in export order.
+
+    The planner sees only metadata; the units wait in a queue until their bucket closes, so at most one bucket's
+    units plus the one unit that closed it are held at any time.
+    """
+    waiting: deque[ExportedUnit] = deque()
+
+    def metadata() -> Iterator:
+        for unit in units:
+            waiting.append(unit)
+            yield unit.meta
+
+    for plan in plan_buckets(metadata(), cap_bytes=cap_bytes):
+        taken = [waiting.popleft() for _ in plan.units]
+        assert all(u.meta is m for u, m in zip(taken, plan.units)), "planner reordered units"
+        yield plan, taken
+
+
+class DoubleBuffer:
+    """Two byte buffers of `cap_bytes`, allocated on first use; bucket i packs into buffer i % 2.
+
+    A bucket larger than the cap (one oversized unit travels alone) gets a buffer of its own for that bucket only.
+    """
+
+    def __init__(self, *, cap_bytes: int, device: torch.device) -> None:
+        self._cap_bytes = cap_bytes
+        self._device = device
+        self._slots: list[torch.Tensor | None] = [None, None]
+
+    def for_bucket(self, index: int, num_bytes: int) -> torch.Tensor:
+        if num_bytes > self._cap_bytes:
+            return torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+        slot = index % 2
+        if self._slots[slot] is None:
+            self._slots[slot] = torch.empty(self._cap_bytes, dtype=torch.uint8, device=self._device)
+        return self._slots[slot]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedBucket:
+    plan: BucketPlan
+    bucket: FlattenedBucket
+    checksums: dict[str, str]
+
+
+class _PackStream:
+    """Export + pack, one bucket per `next_bucket()` call; runs on one worker thread (export may issue
+    collectives, and CUDA streams are per thread)."""
+
+    def __init__(self, units: Iterable[ExportedUnit], *, cap_bytes: int, buffers: DoubleBuffer) -> None:
+        self._pairs = pair_with_plans(self._timed(units), cap_bytes=cap_bytes)
+        self._buffers = buffers
+        self._seen: set[str] = set()
+        self.export_s = 0.0
+        self.pack_s = 0.0
+
+    def _timed(self, units: Iterable[ExportedUnit]) -> Iterator[ExportedUnit]:
+        iterator = iter(units)
+        while True:
+            start = time.perf_counter()
+            unit = next(iterator, None)
+            self.export_s += time.perf_counter() - start
+            if unit is None:
+                return
+            yield unit
+
+    def next_bucket(self) -> PackedBucket | None:
+        pair = next(self._pairs, None)
+        if pair is None:
+            return None
+        plan, units = pair
+        start = time.perf_counter()
+        named = [item for unit in units for item in unit.named()]
+        repeated = sorted({name for name, _ in named} & self._seen)
+        if repeated:
+            # Checked before sending: a repeated name would make the engine's checksum ambiguous.
+            raise ValueError(f"the export stream yielded tensor(s) {repeated} more than once")
+        self._seen.update(name for name, _ in named)
+        bucket = pack_bucket(named, out=self._buffers.for_bucket(plan.index, plan.num_bytes))
+        checksums = {name: tensor_checksum(view) for name, view in unpack_bucket(bucket.buffer, bucket.entries)}
+        self.pack_s += time.perf_counter() - start
+        return PackedBucket(plan=plan, bucket=bucket, checksums=checksums)
+
+    def drain(self) -> None:
+        for _ in self._pairs:
+            pass
+
+
+class Sender:
+    """Sends the weights one export stream yields. Implements WeightSource in the trainer's process.
+
+    `export()` returns a fresh stream of ExportedUnits per call (the model's current weights); `names()` the HF
+    names that stream covers, without exporting. `transport`: a registered transport name, or None on a rank that
+    is not the export source; `send` then only consumes the stream, so every rank runs the export's collectives
+    in the same order. After a failed bucket the rest of the stream is still consumed, for the same reason, before
+    the error is raised. The engine clients and the transport are built in `open`, on the caller's event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: str | None,
+        export: Callable[[], Iterable[ExportedUnit]],
+        names: Callable[[], Iterable[str]],
+        bucket_bytes: int,
+        bucket_timeout_s: float,
+        open_timeout_s: float,
+        http_timeout_s: float,
+        api_key: str | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        problems = []
+        if transport is not None and transport not in TRANSPORTS:
+            problems.append(f"transport={transport!r} is not one of {sorted(TRANSPORTS)} (or None off the source)")
+        if bucket_bytes <= 0:
+            problems.append(f"bucket_bytes={bucket_bytes} must be positive")
+        for name, value in (
+            ("bucket_timeout_s", bucket_timeout_s),
+            ("open_timeout_s", open_timeout_s),
+            ("http_timeout_s", http_timeout_s),
+        ):
+            if not value > 0:
+                problems.append(f"{name}={value} must be positive")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._transport_name = transport
+        self._export = export
+        self._names = names
+        self._bucket_bytes = bucket_bytes
+        self._bucket_timeout_s = bucket_timeout_s
+        self._open_timeout_s = open_timeout_s
+        self._http_timeout_s = http_timeout_s
+        self._api_key = api_key
+        self._device = torch.device(device)
+        self._transport: Transport | None = None
+        self._clients: tuple[EngineClient, ...] = ()
+
+    @property
+    def is_source(self) -> bool:
+        return self._transport_name is not None
+
+    async def exported_names(self) -> tuple[str, ...]:
+        return tuple(self._names())
+
+    async def open(
+        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
+    ) -> GroupMembership | None:
+        await self.close()
+        if self._transport_name is None:
+            return membership
+        self._clients = tuple(
+            EngineClient(e.url, timeout_s=self._http_timeout_s, api_key=self._api_key) for e in engines
+        )
+        targets = [EngineTarget(client=c, tp_size=e.tp_size) for c, e in zip(self._clients, engines)]
+        transport = create_transport(self._transport_name, engines=targets, **self._transport_options())
+        bound = await transport.open(membership=membership, timeout_s=self._open_timeout_s)
+        self._transport = transport
+        return bound
+
+    def _transport_options(self) -> dict[str, object]:
+        # Only the distributed transport places buffers on a device of its group.
+        return {"device": self._device} if needs_update_group(self._transport_name) else {}
+
+    async def close(self) -> None:
+        transport, self._transport = self._transport, None
+        clients, self._clients = self._clients, ()
+        try:
+            if transport is not None:
+                await transport.close(timeout_s=self._open_timeout_s)
+        finally:
+            for client in clients:
+                await client.close()
+
+    async def send(
+        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
+    ) -> SendResult:
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        buffers = DoubleBuffer(cap_bytes=self._bucket_bytes, device=self._device)
+        stream = _PackStream(self._export(), cap_bytes=self._bucket_bytes, buffers=buffers)
+        # One worker thread runs the whole stream. Not waited for on exit: after a cancellation it finishes the
+        # bucket it is packing on its own, and the event loop must not block on it.
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-pack")
+        try:
+            if not self.is_source:
+                await loop.run_in_executor(worker, stream.drain)
+                return SendResult(
+                    num_bytes=0, num_buckets=0, num_tensors=0, checksums={}, export_s=stream.export_s, pack_s=0.0,
+                    send_s=time.perf_counter() - start,
+                )
+            totals = await self._send_buckets(
+                stream, worker=worker, selector=selector, start=start, on_bucket=on_bucket
+            )
+        finally:
+            worker.shutdown(wait=False)
+        return SendResult(
+            num_bytes=totals.num_bytes,
+            num_buckets=totals.num_buckets,
+            num_tensors=len(totals.checksums),
+            checksums=totals.checksums,
+            export_s=stream.export_s,
+            pack_s=stream.pack_s,
+            send_s=time.perf_counter() - start,
+        )
+
+    async def _send_buckets(
+        self,
+        stream: _PackStream,
+        *,
+        worker: ThreadPoolExecutor,
+        selector: Selector,
+        start: float,
+        on_bucket: Callable[[BucketProgress], None] | None,
+    ) -> _Totals:
+        transport = self._transport
+        if transport is None:
+            raise RuntimeError("Sender.send before open(): the transport is not built")
+        loop = asyncio.get_running_loop()
+        totals = _Totals()
+        in_flight: tuple[asyncio.Task, PackedBucket] | None = None
+        try:
+            while True:
+                packed = await loop.run_in_executor(worker, stream.next_bucket)  # while bucket i is in flight
+                if in_flight is not None:
+                    await in_flight[0]
+                    totals.add(in_flight[1], start=start, on_bucket=on_bucket)
+                    in_flight = None
+                if packed is None:
+                    return totals
+                task = asyncio.create_task(
+                    transport.send_bucket(packed.bucket, selector=selector, timeout_s=self._bucket_timeout_s)
+                )
+                in_flight = (task, packed)
+        except BaseException as exc:
+            if in_flight is not None:
+                in_flight[0].cancel()
+                await asyncio.gather(in_flight[0], return_exceptions=True)
+            if isinstance(exc, Exception):  # not on cancellation: the canceller wants control back now
+                with contextlib.suppress(Exception):  # the original failure is the one to report
+                    await loop.run_in_executor(worker, stream.drain)
+            raise
+
+
+class _Totals:
+    def __init__(self) -> None:
+        self.num_bytes = 0
+        self.num_buckets = 0
+        self.checksums: dict[str, str] = {}
+
+    def add(self, packed: PackedBucket, *, start: float, on_bucket: Callable[[BucketProgress], None] | None) -> None:
+        self.checksums.update(packed.checksums)
+        self.num_bytes += packed.bucket.num_bytes
+        self.num_buckets += 1
+        if on_bucket is not None:
+            on_bucket(
+                BucketProgress(
+                    index=packed.plan.index,
+                    num_bytes=packed.bucket.num_bytes,
+                    num_tensors=len(packed.bucket.entries),
+                    total_bytes=self.num_bytes,
+                    elapsed_s=time.perf_counter() - start,
+                )
+            )

@@ -1,0 +1,153 @@
+"""Distributed transport: one broadcast per flattened bucket over the update group, announced over HTTP.
+
+Per bucket: POST `update_weights_from_distributed` (the bucket's names/dtypes/shapes) to every engine first, then
+broadcast the bucket's buffer from rank 0, then await every engine's answer. The POSTs are in flight during the
+broadcast, because an engine answers only after it received the broadcast. Every step has a timeout, and a failed
+POST cannot leave the broadcast hanging: the broadcast has its own timeout, and a broken group is torn down.
+
+Set-up: the source starts the rendezvous store on a port the OS picks, then joins the group in a worker thread
+while every engine joins over HTTP, concurrently (each side blocks until all members arrived).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from miles_sync.bucket import FlattenedBucket, dtype_name
+from miles_sync.protocol import (
+    DestroyWeightsUpdateGroupRequest,
+    LoadFormat,
+    Selector,
+    UpdateWeightsFromDistributedRequest,
+)
+from miles_sync.transport.base import EngineTarget, GroupMembership, TransportError
+from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
+
+__all__ = ["DistributedTransport", "bucket_request"]
+
+# How long to wait for the other engines' answers once the broadcast itself failed: they cannot succeed, we only
+# want their messages for the error (an engine that received nothing answers when the group is torn down).
+_FAILED_BROADCAST_GRACE_S = 2.0
+
+
+def bucket_request(
+    bucket: FlattenedBucket, *, selector: Selector, group_name: str
+) -> UpdateWeightsFromDistributedRequest:
+    """The metadata POST of one bucket. Entries are in buffer order, so the receiver's rebuilt offsets (sum of the
+    preceding byte sizes) are exactly the sender's. Pure.
+
+    flush_cache is false: the session flushes once before the first bucket (a per-bucket flush would repeat it).
+    """
+    return UpdateWeightsFromDistributedRequest(
+        names=tuple(e.name for e in bucket.entries),
+        dtypes=tuple(dtype_name(e.dtype) for e in bucket.entries),
+        shapes=tuple(tuple(e.shape) for e in bucket.entries),
+        group_name=group_name,
+        flush_cache=False,
+        load_format=LoadFormat.FLATTENED_BUCKET,
+        selector=selector,
+    )
+
+
+class DistributedTransport:
+    """The source rank's side of the update group. Not thread-safe; one bucket in flight at a time."""
+
+    name = "distributed"
+
+    def __init__(self, *, engines: Sequence[EngineTarget], device: torch.device | str = "cpu") -> None:
+        if not engines:
+            raise ValueError("DistributedTransport needs at least one engine")
+        self._engines = tuple(engines)
+        self._device = torch.device(device)
+        self._group: UpdateGroup | None = None
+        self._membership: GroupMembership | None = None
+
+    async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> GroupMembership:
+        if membership is None:
+            raise ValueError("the distributed transport needs a group membership")
+        member_urls = [e.url for e in membership.engines]
+        if member_urls != [e.client.url for e in self._engines]:
+            raise ValueError(
+                f"membership engines {member_urls} differ from the transport's "
+                f"{[e.client.url for e in self._engines]}"
+            )
+        await self.close(timeout_s=timeout_s)
+        store = start_store_server(host=membership.master_address, port=membership.master_port, timeout_s=timeout_s)
+        bound = membership.with_port(store.port)
+        join = asyncio.to_thread(
+            create_update_group,
+            master_address=bound.master_address,
+            master_port=bound.master_port,
+            rank=bound.source_rank,
+            world_size=bound.world_size,
+            group_name=bound.group_name,
+            backend=bound.backend,
+            timeout_s=timeout_s,
+            store=store,
+        )
+        inits = [
+            e.client.init_weights_update_group(bound.init_request(e.client.url), timeout_s=timeout_s)
+            for e in self._engines
+        ]
+        results = await asyncio.gather(join, *inits, return_exceptions=True)
+        group = results[0]
+        failures = _failures(["source rank 0", *(e.client.url for e in self._engines)], results)
+        if isinstance(group, UpdateGroup):
+            self._group, self._membership = group, bound
+        if failures:
+            await self.close(timeout_s=timeout_s)
+            raise TransportError(f"update group {bound.group_name!r} set-up failed: " + "; ".join(failures))
+        return bound
+
+    async def send_bucket(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
+        group, membership = self._group, self._membership
+        if group is None or membership is None:
+            raise TransportError("the distributed transport is not open (or was closed after a failure)")
+        request = bucket_request(bucket, selector=selector, group_name=membership.group_name)
+        posts = [
+            asyncio.create_task(e.client.update_weights_from_distributed(request, timeout_s=timeout_s))
+            for e in self._engines
+        ]
+        failures = []
+        try:
+            # Let the POSTs leave before the broadcast thread starts; the broadcast waits for the receivers anyway.
+            await asyncio.sleep(0)
+            try:
+                await asyncio.to_thread(group.broadcast, bucket.buffer, src=membership.source_rank, timeout_s=timeout_s)
+                answer_wait_s = timeout_s
+            except (RuntimeError, TimeoutError) as e:
+                failures.append(f"broadcast of bucket ({bucket.num_bytes} bytes): {e}")
+                answer_wait_s = min(timeout_s, _FAILED_BROADCAST_GRACE_S)
+            done, pending = await asyncio.wait(posts, timeout=answer_wait_s)
+            for engine, post in zip(self._engines, posts):
+                if post in pending:
+                    failures.append(f"{engine.client.url}: no answer within {answer_wait_s} s")
+                elif post.exception() is not None:
+                    failures.append(f"{engine.client.url}: {post.exception()}")
+        finally:
+            for post in posts:
+                post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+        if failures:
+            raise TransportError(f"bucket of {len(bucket.entries)} tensors failed: " + "; ".join(failures))
+
+    async def close(self, *, timeout_s: float) -> None:
+        """Destroy this side's group first (that unblocks engines still waiting in a receive), then ask every
+        engine to destroy its side; engine failures are ignored (a dead engine has nothing to destroy)."""
+        group, membership = self._group, self._membership
+        self._group, self._membership = None, None
+        if group is not None:
+            await asyncio.to_thread(group.destroy)
+        if membership is not None:
+            request = DestroyWeightsUpdateGroupRequest(group_name=membership.group_name)
+            await asyncio.gather(
+                *(e.client.destroy_weights_update_group(request, timeout_s=timeout_s) for e in self._engines),
+                return_exceptions=True,
+            )
+
+
+def _failures(who: Sequence[str], results: Sequence[object]) -> list[str]:
+    return [f"{name}: {result}" for name, result in zip(who, results) if isinstance(result, BaseException)]
