@@ -101,6 +101,9 @@ class SyncController:
         self._version = 0  # last committed
         self._last_attempt = 0  # versions are never reused, not even those of failed syncs
         self._weight_version = ""
+        # What every engine serves after the last committed sync (None before the first one): a failed send checks
+        # the engines against it, so that one the send never reached keeps serving.
+        self._committed_checksums: dict[str, str] | None = None
         self._membership: GroupMembership | None = None
         self._is_open = False
         self._generation = 0
@@ -209,6 +212,7 @@ class SyncController:
                         timeouts=self._timeouts,
                         transport_name=self._transport,
                         on_bucket=bar.update,
+                        committed_checksums=self._committed_checksums,
                     )
                 finally:
                     bar.close()
@@ -269,6 +273,7 @@ class SyncController:
         if report.committed:
             self._version = int(report.version)
             self._weight_version = report.version
+            self._committed_checksums = dict(report.checksums) or None
         else:
             # The session tore the transport down on failure; the next sync re-creates it.
             self._is_open = False

@@ -7,7 +7,7 @@ encoded with miles_sync.codec (`encode_report` / `decode_report` round-trip exac
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from miles_sync.codec import decode, encode
@@ -74,6 +74,9 @@ class SyncReport:
     total_s: float
     engines: tuple[EngineResult, ...]
     error: str | None = None
+    # The trainer's checksum of every tensor it sent (HF name -> hex digest), empty when nothing was sent. After a
+    # committed sync these describe what every engine serves; the next failed sync checks survivors against them.
+    checksums: dict[str, str] = field(default_factory=dict)
 
     @property
     def gb_per_s(self) -> float:

@@ -9,9 +9,9 @@
 The session never raises for a failed sync: it returns a SyncReport with `committed` false, the error, and each
 engine's result. On failure the source's transport is torn down first, so that no engine stays blocked in a
 receive, and sessions left open are closed, so that the next sync can begin. Once the send has started, an engine
-on which the sync did not complete may hold partial weights: it is reported stale and quarantined, so that it
-refuses /generate until a later full sync (see `_abandon`); a failure before the send leaves every engine serving
-its old weights. Committing the version is the caller's decision, made from the report.
+on which the sync did not complete may hold partial weights: unless its checksums show it still holds the committed
+version, it is reported stale and quarantined, so that it refuses /generate until a later full sync (see
+`_abandon`); a failure before the send leaves every engine serving its old weights. Committing the version is the caller's decision, made from the report.
 """
 
 from __future__ import annotations
@@ -89,8 +89,11 @@ async def run_sync_session(
     timeouts: SessionTimeouts,
     transport_name: str,
     on_bucket: Callable[[BucketProgress], None] | None = None,
+    committed_checksums: Mapping[str, str] | None = None,
 ) -> SyncReport:
-    """Run one session: see the module docstring. Mutates the engines' weights and version; never raises for a
+    """Run one session: see the module docstring. `committed_checksums`: the checksums of the version the engines
+    serve (the last committed report's), used after a failed send to tell engines that still hold it intact from
+    engines that may hold partial weights; None (nothing committed yet) treats every engine as possibly partial. Mutates the engines' weights and version; never raises for a
     failed sync (it is in the report), only for programming errors outside the session's steps."""
     fleet = _Fleet(engines, timeout_s=timeouts.control_s, last_step="verify" if verify else "version")
     clock = _PhaseClock()
@@ -105,7 +108,7 @@ async def run_sync_session(
     except Exception as exc:  # every failure of a step ends here and goes into the report
         # wait_for's own timeout carries no message; every step's errors do.
         run.error = str(exc) or f"{type(exc).__name__}: the sync did not finish within {timeouts.sync_s} s"
-        await _abandon(fleet, source=source, selector=run.selector)
+        await _abandon(fleet, source=source, selector=run.selector, committed=committed_checksums)
     finally:
         with clock.phase("resume"):
             await fleet.resume()
@@ -227,14 +230,18 @@ def _role_of(reported_name: str) -> Role:
     return Role.DRAFT if reported_name.startswith(DRAFT_PREFIX) else Role.TARGET
 
 
-async def _abandon(fleet: _Fleet, *, source: WeightSource, selector: Selector | None) -> None:
+async def _abandon(
+    fleet: _Fleet, *, source: WeightSource, selector: Selector | None, committed: Mapping[str, str] | None
+) -> None:
     """After a failure: tear down the source's transport first (an engine blocked in a receive then fails fast and
     releases its weight lock), close every session left open so that the next begin succeeds, then quarantine the
     engines that may hold partial weights.
 
-    Quarantine: end_weight_update alone would let such an engine serve its mix of old and new tensors under the old
-    version. `weights_checker` reset_tensors, for the session's selector only (a frozen draft is left alone), makes
-    the engine refuse generation until a later session completes; its tensors were partial anyway.
+    An engine whose checksums for the session's roles still equal the committed version's received nothing that
+    changed its weights (e.g. a gloo broadcast that failed before its first byte arrived): it keeps serving that
+    version. Any other engine that the send may have reached is quarantined: end_weight_update alone would let it
+    serve its mix of old and new tensors under the old version. `weights_checker` reset_tensors, for the session's
+    selector only (a frozen draft is left alone), makes it refuse generation until a later session completes.
     """
     with contextlib.suppress(Exception):
         await asyncio.wait_for(source.close(), timeout=fleet.timeout_s)
@@ -243,7 +250,11 @@ async def _abandon(fleet: _Fleet, *, source: WeightSource, selector: Selector | 
         with contextlib.suppress(SessionError):
             await fleet.step("end-after-failure", lambda e: e.end_weight_update(timeout_s=fleet.timeout_s))
     partial = [e for e in fleet.engines if fleet.may_hold_partial_weights(e.url)]
-    if partial and selector is not None:
+    if not partial or selector is None:
+        return
+    if committed:
+        partial = await _still_partial(fleet, partial, committed=committed, selector=selector)
+    if partial:
         request = WeightsCheckerRequest(action=WeightsCheckerAction.RESET_TENSORS, selector=selector)
         with contextlib.suppress(SessionError):
             await fleet.step(
@@ -251,11 +262,33 @@ async def _abandon(fleet: _Fleet, *, source: WeightSource, selector: Selector | 
             )
 
 
+async def _still_partial(
+    fleet: _Fleet, engines: Sequence[EngineClient], *, committed: Mapping[str, str], selector: Selector
+) -> list[EngineClient]:
+    """The engines among `engines` whose checksums for `selector`'s roles differ from `committed` or could not be
+    read; the others are marked intact (they serve the committed version unchanged)."""
+    request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
+
+    async def intact(engine: EngineClient) -> bool:
+        try:
+            result = await engine.weights_checker(request, timeout_s=fleet.timeout_s)
+        except Exception:  # unreachable or refusing: its state is unknown, so it is treated as partial
+            return False
+        problems, _ = checksum_problems(sent=committed, ranks=result.ranks, selector=selector)
+        return not problems
+
+    verdicts = await asyncio.gather(*(intact(e) for e in engines))
+    for engine, is_intact in zip(engines, verdicts):
+        fleet.state[engine.url].is_intact = is_intact
+    return [e for e, is_intact in zip(engines, verdicts) if not is_intact]
+
+
 @dataclass(kw_only=True)
 class _EngineState:
     done: set[str] = field(default_factory=set)  # steps that succeeded on this engine
     message: str = ""  # the first failure, if any
     num_verified: int = 0
+    is_intact: bool = False  # checked after a failed send: still holds the committed version's weights
 
 
 class _Fleet:
@@ -303,8 +336,10 @@ class _Fleet:
                 await self.step("resume", lambda e: e.continue_generation(timeout_s=self.timeout_s))
 
     def may_hold_partial_weights(self, url: str) -> bool:
-        # Bytes may have reached this engine, and it did not get through the sync's last step.
-        return "send" in self.attempted and self.last_step not in self.state[url].done
+        # Bytes may have reached this engine, it did not get through the sync's last step, and no check after the
+        # failure found it unchanged.
+        state = self.state[url]
+        return "send" in self.attempted and self.last_step not in state.done and not state.is_intact
 
 
 @dataclass(kw_only=True)
@@ -364,6 +399,7 @@ def _report(
         total_s=total_s,
         engines=engines,
         error=run.error,
+        checksums={} if sent is None else dict(sent.checksums),
     )
 
 

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_sync.transport.group import start_store_server
+
 _HOST = "127.0.0.1"
 _MODES = ("raw", "bridge")
 
@@ -153,7 +155,7 @@ def run_cases(
     case_dirs = [workdir / f"case{i}" for i in range(len(cases))]
     for d in case_dirs:
         d.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore(_HOST, 0, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = start_store_server(host=_HOST, timeout_s=timeout_s)
     context = multiprocessing.get_context("spawn")
     processes = [
         context.Process(

@@ -14,6 +14,7 @@ and the owner destroys it and creates a new one.
 from __future__ import annotations
 
 import ipaddress
+import socket
 import threading
 from datetime import timedelta
 
@@ -28,11 +29,27 @@ _BACKENDS = ("gloo", "nccl")
 def start_store_server(*, host: str, port: int = 0, timeout_s: float) -> dist.TCPStore:
     """Start the group's rendezvous store on `host`:`port` (0: the OS picks; read it back from `.port`).
 
-    Returns at once; pass the store to `create_update_group(store=...)` on the rank that hosts it.
+    TCPStore given a host name still listens on every interface, so the listening socket is bound here, on `host`
+    only, and handed over to the store. Returns at once; pass the store to `create_update_group(store=...)` on the
+    rank that hosts it.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)
+        bound_port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    # From here on the store owns the descriptor (and closes it with the store).
+    return dist.TCPStore(
+        host, bound_port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )  # fmt: skip
 
 
 class UpdateGroup:

@@ -1,0 +1,95 @@
+"""Trainer actors: one `miles_sync.trainer.TrainerWorker` per Megatron rank, wrapped with `ray.remote` here.
+
+`create_trainers` starts every rank (in its placement bundle when given one), lets rank 0 host the trainer group's
+rendezvous store on loopback, and sets every rank up at once (they join one gloo group, so setup is collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from miles_sync.config import TrainerConfig
+from miles_sync.placement import PlacedGroups, Resources
+from miles_sync.trainer import RankInfo, TrainBatch, TrainerWorker, TrainStepResult
+
+__all__ = ["DEFAULT_TRAINER_RESOURCES", "TrainerGroup", "create_trainers"]
+
+# A sliver of a CPU: on small machines every actor must schedule, and a rank's work is bounded by its threads.
+DEFAULT_TRAINER_RESOURCES = Resources(num_cpus=0.01)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerGroup:
+    """The trainer actors in rank order, and what each rank reported at setup."""
+
+    actors: tuple[Any, ...]
+    ranks: tuple[RankInfo, ...]
+
+    def train_step(self, batch: TrainBatch, *, timeout_s: float) -> tuple[TrainStepResult, ...]:
+        """One optimizer step on every rank with the same batch."""
+        return tuple(ray.get([a.train_step.remote(batch) for a in self.actors], timeout=timeout_s))
+
+    def shutdown(self, *, timeout_s: float = 60.0) -> None:
+        """Release each rank's groups, then end the actors. Best effort, never raises."""
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
+        except Exception:  # a dead or stuck rank must not keep the others alive
+            pass
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def create_trainers(
+    *,
+    trainer: TrainerConfig,
+    checkpoint_dir: str,
+    num_trained_mtp_layers: int = 0,
+    seed: int = 0,
+    placement: PlacedGroups | None = None,
+    resources: Resources = DEFAULT_TRAINER_RESOURCES,
+    master_address: str = "127.0.0.1",
+    env_vars: Mapping[str, str] | None = None,
+    num_threads: int | None = 1,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+) -> TrainerGroup:
+    """Start `trainer.world_size` trainer actors and set them up; raises (after killing them) if any rank fails.
+
+    `backend`: the trainer group's (None: nccl where CUDA is available, else gloo). `env_vars` go into every
+    rank's environment (default: GLOO_SOCKET_IFNAME=lo when `master_address` is
+    loopback, so the trainer group's gloo sockets stay on loopback).
+    """
+    if env_vars is None:
+        env_vars = {"GLOO_SOCKET_IFNAME": "lo"} if master_address in ("127.0.0.1", "localhost") else {}
+    remote_class = ray.remote(TrainerWorker)
+    actors = []
+    for rank in range(trainer.world_size):
+        options = resources.as_actor_options() if placement is None else placement.trainer_options(rank)
+        if env_vars:
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
+        actors.append(
+            remote_class.options(**options).remote(
+                rank=rank,
+                trainer=trainer,
+                checkpoint_dir=checkpoint_dir,
+                num_trained_mtp_layers=num_trained_mtp_layers,
+                seed=seed,
+                num_threads=num_threads,
+                timeout_s=timeout_s,
+                backend=backend,
+            )
+        )
+    try:
+        port = ray.get(actors[0].host_store.remote(host=master_address), timeout=timeout_s)
+        infos = ray.get(
+            [a.setup.remote(master_address=master_address, master_port=port) for a in actors], timeout=timeout_s
+        )
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        raise
+    return TrainerGroup(actors=tuple(actors), ranks=tuple(infos))

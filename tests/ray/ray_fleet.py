@@ -1,0 +1,117 @@
+"""Shared pieces of the Ray tests: a local cluster on loopback, the synthetic language's prompts and rewards, and
+small HTTP reads of an engine (its weight checksum) through the real client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import subprocess
+from collections.abc import Iterator, Sequence
+
+import ray
+
+from miles_sync.engine.client import EngineClient
+from miles_sync.engine.launcher import Sample
+from miles_sync.engine.reference.checkpoints import LanguageRecipe, next_token
+from miles_sync.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
+from miles_sync.trainer import TrainBatch
+
+LANGUAGE = LanguageRecipe()
+RAY_TIMEOUT_S = 300.0  # every ray.get in these tests waits at most this long
+OBJECT_STORE_BYTES = 128 * 2**20
+
+
+@contextlib.contextmanager
+def local_ray(*, num_cpus: int = 2) -> Iterator[None]:
+    """A local Ray cluster on 127.0.0.1 (DESIGN.md section 7), shut down in finally."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=OBJECT_STORE_BYTES,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def listeners_off_loopback(pids: Sequence[int]) -> list[str]:
+    """`ss -ltnp` lines of sockets that processes `pids` listen on outside loopback."""
+    output = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    return [
+        line
+        for line in output.splitlines()
+        if any(f"pid={pid}," in line for pid in pids) and not _is_loopback(line.split()[3].rpartition(":")[0])
+    ]
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]").split("%")[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # "*" and "0.0.0.0"-style wildcards are every interface
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped if mapped is not None else address).is_loopback
+
+
+def prompts(round_index: int, *, num_prompts: int = 4, length: int = 4) -> list[list[int]]:
+    """Deterministic prompts in the language (a different start token per prompt and round)."""
+    result = []
+    for i in range(num_prompts):
+        token = (37 * round_index + 61 * i + 5) % LANGUAGE.vocab_size
+        prompt = [token]
+        for _ in range(length - 1):
+            prompt.append(int(next_token(prompt[-1], LANGUAGE)))
+        result.append(prompt)
+    return result
+
+
+def reward(sample: Sample) -> float:
+    """Share of completion tokens that follow the language's rule from the token before them."""
+    previous = sample.prompt_ids[-1]
+    hits = 0
+    for token in sample.output_ids:
+        hits += int(token == next_token(previous, LANGUAGE))
+        previous = token
+    return hits / max(1, len(sample.output_ids))
+
+
+def train_batch(samples: Sequence[Sample]) -> TrainBatch:
+    """REINFORCE with a zero baseline: every sample pulls the policy toward itself, weighted by its reward (so the
+    weights move every step even when all rewards are equal)."""
+    return TrainBatch(
+        sequences=tuple(s.prompt_ids + s.output_ids for s in samples),
+        num_prompt_tokens=tuple(len(s.prompt_ids) for s in samples),
+        rewards=tuple(reward(s) for s in samples),
+        baseline=0.0,
+    )
+
+
+def mean_accept_length(samples: Sequence[Sample]) -> float:
+    values = [s.spec_accept_length for s in samples]
+    assert all(v is not None for v in values), "an engine with a draft reports spec_accept_length for every sample"
+    return sum(values) / len(values)
+
+
+def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:
+    """The engine's checksum over its target runner's tensors (/weights_checker)."""
+
+    async def read() -> str:
+        async with EngineClient(url, timeout_s=timeout_s) as client:
+            request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.TARGET)
+            result = await client.weights_checker(request)
+            return result.per_engine_checksum
+
+    return asyncio.run(read())
+
+
+def current_urls(engine_actors: Sequence[object]) -> tuple[str, ...]:
+    return tuple(ray.get([a.url.remote() for a in engine_actors], timeout=RAY_TIMEOUT_S))

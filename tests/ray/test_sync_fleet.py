@@ -1,0 +1,358 @@
+"""The product on a local Ray cluster: 2 trainer ranks (TP=2, a real megatron-core model) and 2 reference engines
+with frozen MTP drafts in the AITER layout, one controller actor per transport.
+
+- 5 train -> sync -> generate rounds per transport: every sync verified (trainer checksums == each engine's), the
+  weights really move each round, every sample carries the version that produced it, accept length holds;
+- an engine killed during the broadcast fails that sync in bounded time without a version bump; the survivor
+  serves the old version; the restarted engine gets full, verified weights in a re-created group before serving;
+- an engine without the session endpoints is refused at connect, by name;
+- the embedding example (a pipeline with its own trainer actors) syncs into the same engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+from aiohttp import web
+from ray_fleet import (
+    RAY_TIMEOUT_S,
+    current_urls,
+    listeners_off_loopback,
+    local_ray,
+    mean_accept_length,
+    prompts,
+    target_checksum,
+    train_batch,
+)
+
+from actors.controller import create_controller
+from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
+from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
+from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, Transport
+from miles_sync.embedding import attached_source
+from miles_sync.engine.launcher import ReferenceEngineSpec
+from miles_sync.layout import WeightLayout
+from miles_sync.placement import PlacedGroups, PlacementPlan, create_placement_groups, plan_placement
+from miles_sync.protocol import SamplingParams, Selector
+from miles_sync.selector import DraftKind
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_ROUNDS = 5
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+MODEL = ModelConfig(arch="qwen3", speculative_algorithm="NEXTN", num_trained_mtp_layers=0)
+# Small buckets: a sync of this 1.8 MiB model is several buckets, as a real one is many.
+SYNC = dict(bucket_bytes=256 * 1024, http_timeout_s=20.0, collective_timeout_s=20.0, sync_timeout_s=90.0)
+
+
+@dataclass
+class Fleet:
+    plan: PlacementPlan
+    placed: PlacedGroups
+    trainers: TrainerGroup
+    engines: EngineGroup
+
+    @property
+    def source_rank(self) -> int:
+        (rank,) = [info.rank for info in self.trainers.ranks if info.is_source]
+        return rank
+
+    @property
+    def num_tensors(self) -> int:
+        return self.trainers.ranks[0].num_exported_tensors
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_ray(num_cpus=2):
+        yield
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Fleet:
+    target = str(reference_checkpoints / "target")
+    plan = plan_placement(
+        layout="colocated", num_trainers=2, num_engines=2,
+        trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
+    )  # fmt: skip
+    spec = ReferenceEngineSpec(
+        model_dir=target, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER, collective_timeout_s=20.0
+    )
+    with ExitStack() as stack:
+        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix="fleet")
+        stack.callback(placed.remove)
+        # Engines and trainers start at the same time: each side spends most of its start-up importing.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            engines_future = pool.submit(
+                create_engines, specs=[spec, spec], log_dir=tmp_path_factory.mktemp("engines"), placement=placed
+            )
+            trainers_future = pool.submit(
+                create_trainers, trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=target, placement=placed
+            )
+            engines, trainers = engines_future.result(), trainers_future.result()
+        stack.callback(engines.shutdown)
+        stack.callback(trainers.shutdown)
+        yield Fleet(plan=plan, placed=placed, trainers=trainers, engines=engines)
+
+
+@contextlib.contextmanager
+def controller_for(fleet: Fleet, transport: Transport, **sync_overrides):
+    sync = SyncConfig(transport=transport, **{**SYNC, **sync_overrides})
+    urls = current_urls(fleet.engines.actors)
+    handle = create_controller(trainers=fleet.trainers.actors, engine_urls=urls, sync=sync, model=MODEL)
+    try:
+        yield handle
+    finally:
+        # Engines keep serving; the next controller makes its own group.
+        ray.get(handle.close.remote(), timeout=RAY_TIMEOUT_S)
+        ray.kill(handle)
+
+
+def generate(engine_actors, round_index: int):
+    refs = [a.generate.remote(prompts(round_index), sampling=GREEDY) for a in engine_actors]
+    batches = ray.get(refs, timeout=RAY_TIMEOUT_S)
+    return [sample for batch in batches for sample in batch]
+
+
+def run_rounds(fleet: Fleet, controller) -> list[float]:
+    """Round 0 generates from the starting weights; rounds 1..N train on the previous samples, sync, generate."""
+    actors, urls = fleet.engines.actors, current_urls(fleet.engines.actors)
+    assert ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S) == urls
+    version = ray.get(controller.weight_version.remote(), timeout=RAY_TIMEOUT_S)
+    samples = generate(actors, 0)
+    assert {s.weight_version for s in samples} == {version}
+    accept = [mean_accept_length(samples)]
+    assert accept[0] > 2.0, f"an intact frozen draft agrees with the target most of the time, got {accept[0]}"
+    checksums = {target_checksum(u) for u in urls}
+    assert len(checksums) == 1
+    for round_index in range(1, NUM_ROUNDS + 1):
+        steps = fleet.trainers.train_step(train_batch(samples), timeout_s=RAY_TIMEOUT_S)
+        assert len({s.loss for s in steps}) == 1, f"TP ranks computed different losses: {steps}"
+        report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        assert report.committed, report.summary()
+        assert report.selector is Selector.TARGET  # frozen draft: it is never in the session
+        assert int(report.version) == int(report.previous_version if report.previous_version.isdecimal() else 0) + 1
+        assert report.num_tensors == fleet.num_tensors and report.num_buckets > 1
+        for engine in report.engines:
+            assert engine.success and not engine.is_stale, engine
+            assert engine.num_verified_tensors == fleet.num_tensors, engine
+            assert engine.weight_version == report.version
+        now = {target_checksum(u) for u in urls}
+        assert len(now) == 1 and now != checksums, "every engine holds the same new weights after each step"
+        checksums = now
+        samples = generate(actors, round_index)
+        assert {s.weight_version for s in samples} == {report.version}, "samples carry the version producing them"
+        accept.append(mean_accept_length(samples))
+        assert accept[-1] >= 0.9 * accept[0], f"accept length fell from {accept[0]} to {accept[-1]}: {accept}"
+    return accept
+
+
+def node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=60)
+
+
+def test_distributed_rounds(fleet):
+    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+        accept = run_rounds(fleet, controller)
+        membership = ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S)
+        assert membership is not None and membership.backend == "gloo" and membership.world_size == 3
+        assert membership.master_address == "127.0.0.1"
+        pids = own_pids(fleet, controller)
+        # Known gap, asserted separately below: the update group's store listens on every interface.
+        off_loopback = [
+            line for line in listeners_off_loopback(pids) if not line.split()[3].endswith(f":{membership.master_port}")
+        ]
+        assert off_loopback == [], off_loopback
+    print("distributed accept lengths", accept)
+
+
+def test_update_group_store_listens_on_loopback_only(fleet):
+    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+        ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        assert listeners_off_loopback(own_pids(fleet, controller)) == []
+
+
+def own_pids(fleet: Fleet, controller) -> list[int]:
+    actors = [*fleet.trainers.actors, *fleet.engines.actors, controller]
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors], timeout=60)
+    return pids + ray.get([a.pid.remote() for a in fleet.engines.actors], timeout=60)
+
+
+def test_colocated_rounds(fleet):
+    # Colocated placement: engine j shares a bundle, hence a node, with trainer rank j.
+    assert fleet.plan.shared_bundles() == {0: (0,), 1: (1,)}
+    for engine, ranks in fleet.plan.shared_bundles().items():
+        assert node_of(fleet.engines.actors[engine]) == node_of(fleet.trainers.actors[ranks[0]])
+    with controller_for(fleet, Transport.COLOCATED) as controller:
+        assert ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S) is None  # no update group
+        accept = run_rounds(fleet, controller)
+    print("colocated accept lengths", accept)
+
+
+@contextlib.contextmanager
+def server_without_sessions():
+    """An SGLang-0.5.23-like server: the weight endpoints, but no /begin_weight_update or /end_weight_update."""
+    loop = asyncio.new_event_loop()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"success": False, "message": "not in this test"}, status=400)
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"tp_size": 1})
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "old", "weight_version": "0"})
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/get_server_info", server_info)
+        app.router.add_get("/model_info", model_info)
+        for path in ("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
+                     "/update_weights_from_tensor", "/update_weight_version", "/pause_generation",
+                     "/continue_generation", "/weights_checker"):  # fmt: skip
+            app.router.add_post(path, refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        return runner
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        sock.close()
+
+
+def test_engine_without_session_endpoints_is_refused_at_connect(fleet):
+    real_url = current_urls(fleet.engines.actors)[0]
+    with server_without_sessions() as old_url:
+        with pytest.raises(Exception) as info:
+            create_controller(
+                trainers=fleet.trainers.actors, engine_urls=[real_url, old_url],
+                sync=SyncConfig(**SYNC), model=MODEL, timeout_s=60.0,
+            )  # fmt: skip
+    message = str(info.value)
+    assert old_url in message and real_url not in message.replace(old_url, "")
+    assert "/begin_weight_update" in message and "/end_weight_update" in message
+
+
+def test_embedding_example_syncs_a_pipelines_own_trainers(fleet, reference_checkpoints):
+    urls = current_urls(fleet.engines.actors)
+    before = {target_checksum(u) for u in urls}
+    command = [
+        sys.executable, str(REPO / "examples" / "embed_in_pipeline.py"),
+        "--address", ray.get_runtime_context().gcs_address,
+        "--checkpoint", str(reference_checkpoints / "target"), "--steps", "2", "--tp", "2",
+        *(arg for url in urls for arg in ("--engine-url", url)),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RAY_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all(" committed:" in line and "selector target" in line for line in lines), lines
+    after = {target_checksum(u) for u in urls}
+    assert len(after) == 1 and after != before  # the pipeline's weights reached both engines
+
+
+def arm_engine_kill(victim):
+    """A unit listener for the source rank: SIGKILL the victim engine as the first unit leaves the export, i.e.
+    after every engine has begun the session and before the first bucket's broadcast completes."""
+
+    def arm(actor, victim):
+        fired = []
+
+        def kill_once(index: int) -> None:
+            if not fired:
+                fired.append(index)
+                ray.get(victim.kill.remote(), timeout=60)
+
+        attached_source().add_unit_listener(kill_once)
+
+    return arm
+
+
+def kill_during_broadcast(fleet: Fleet, controller):
+    """Commit one sync, then run one in which the victim engine (engines[0], ranks 1.. of the group) dies during
+    the broadcast. Returns (committed report, its update group, failed report, seconds the failed sync took)."""
+    victim = fleet.engines.actors[0]
+    source = fleet.trainers.actors[fleet.source_rank]
+    first = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+    group = ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S)
+    ray.get(source.__ray_call__.remote(arm_engine_kill(victim), victim), timeout=60)
+    start = time.monotonic()
+    try:
+        failed = ray.get(controller.sync.remote(raise_on_failure=False), timeout=RAY_TIMEOUT_S)
+    finally:
+        ray.get(source.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()), timeout=60)
+    return first, group, failed, time.monotonic() - start
+
+
+def restart_victim(fleet: Fleet, controller, victim_url: str) -> str:
+    new_url = ray.get(fleet.engines.actors[0].restart.remote(), timeout=RAY_TIMEOUT_S)
+    ray.get(controller.replace_engine.remote(victim_url, new_url), timeout=RAY_TIMEOUT_S)
+    return new_url
+
+
+def test_engine_killed_during_broadcast(fleet):
+    victim, survivor = fleet.engines.actors
+    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+        victim_url, survivor_url = current_urls(fleet.engines.actors)
+        first, group_before, failed, elapsed = kill_during_broadcast(fleet, controller)
+        assert not failed.committed and failed.error, failed.summary()
+        print(f"failed sync after {elapsed:.2f} s: {failed.error[:300]}")
+        assert elapsed < SYNC["sync_timeout_s"], f"the failed sync took {elapsed:.1f} s"
+        assert not ray.get(victim.is_running.remote(), timeout=60)
+        assert ray.get(controller.version.remote(), timeout=RAY_TIMEOUT_S) == int(first.version)
+        assert ray.get(controller.weight_version.remote(), timeout=RAY_TIMEOUT_S) == first.version
+        assert {e.url: e.success for e in failed.engines} == {victim_url: False, survivor_url: False}
+
+        new_url = restart_victim(fleet, controller, victim_url)
+        # Until a sync succeeds on it, the restarted engine (checkpoint weights) takes no generation traffic.
+        assert new_url in ray.get(controller.stale_engines.remote(), timeout=RAY_TIMEOUT_S)
+        assert new_url not in ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S)
+
+        recovered = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        assert recovered.committed and int(recovered.version) > int(failed.version) > int(first.version)
+        for engine in recovered.engines:
+            assert engine.success and engine.num_verified_tensors == fleet.num_tensors, engine
+        group_after = ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S)
+        assert group_after.group_name != group_before.group_name  # a new group, with the restarted engine in it
+        assert [e.url for e in group_after.engines] == [new_url, survivor_url]
+        assert set(ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S)) == {new_url, survivor_url}
+        assert target_checksum(new_url) == target_checksum(survivor_url)
+        for engine in (victim, survivor):
+            samples = ray.get(engine.generate.remote(prompts(10), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
+            assert {s.weight_version for s in samples} == {recovered.version}
+
+
+def test_survivor_of_a_killed_broadcast_serves_the_committed_version(fleet):
+    survivor = fleet.engines.actors[1]
+    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+        victim_url, _ = current_urls(fleet.engines.actors)
+        first, _, failed, _ = kill_during_broadcast(fleet, controller)
+        try:
+            assert not failed.committed
+            # The victim is ranks 1.. of the group: gloo's broadcast fails before any byte reaches the survivor.
+            samples = ray.get(survivor.generate.remote(prompts(9), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
+            assert {s.weight_version for s in samples} == {first.version}
+        finally:
+            restart_victim(fleet, controller, victim_url)
+            assert ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S).committed
