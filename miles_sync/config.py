@@ -37,6 +37,7 @@ __all__ = [
     "FinalizePolicy",
     "MilesSyncConfig",
     "ModelConfig",
+    "RolloutConfig",
     "SyncConfig",
     "TrainerConfig",
     "Transport",
@@ -82,6 +83,9 @@ class SyncConfig:
     http_timeout_s: float = 60.0
     collective_timeout_s: float = 120.0
     sync_timeout_s: float = 600.0  # one whole sync, pause to resume
+    # Refuse a selector whose draft runner the export cannot feed (a frozen draft under `all`). Off only to
+    # reproduce what systems without the check do (demo=frozen_draft_bug).
+    check_selector: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -96,12 +100,12 @@ class SyncConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    count: int = 1
+    count: int = 2
     kind: EngineKind = EngineKind.REFERENCE
     urls: tuple[str, ...] = ()  # already running servers to use instead of launching `count` engines
-    weight_layout: WeightLayout = WeightLayout.NONE
+    weight_layout: WeightLayout = WeightLayout.AITER
     finalize_policy: FinalizePolicy = FinalizePolicy.STRICT
-    draft_kind: DraftKind = DraftKind.NONE
+    draft_kind: DraftKind = DraftKind.MTP
     spec_steps: int = 3  # draft tokens proposed per verify step; used only with a draft
     api_key: str | None = None
 
@@ -123,11 +127,11 @@ class EngineConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
-    tp: int = 1
+    tp: int = 2
     pp: int = 1
     dp: int = 1
     ep: int = 1
-    lr: float = 1e-5
+    lr: float = 1e-4
 
     @property
     def world_size(self) -> int:
@@ -147,9 +151,9 @@ class TrainerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    arch: str = "qwen2"
-    checkpoint_dir: str | None = None  # None: build a small model from its config into the cache directory
-    speculative_algorithm: str | None = None  # None: no speculative decoding
+    arch: str = "qwen3"
+    checkpoint_dir: str | None = None  # None: the built-in reference checkpoints (built once into the cache)
+    speculative_algorithm: str | None = "NEXTN"  # None: no speculative decoding
     num_trained_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -161,6 +165,25 @@ class ModelConfig:
             problems.append(f"speculative_algorithm={algorithm!r} must be null (off) or a non-empty name")
         if self.num_trained_mtp_layers < 0:
             problems.append(f"num_trained_mtp_layers={self.num_trained_mtp_layers} must be non-negative")
+        _raise_if(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """What each round generates: `num_prompts` per engine, each `prompt_length` tokens of the reference
+    language, and `max_new_tokens` per completion at `temperature` (0: greedy)."""
+
+    num_prompts: int = 4
+    prompt_length: int = 4
+    max_new_tokens: int = 24
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        counts = {"num_prompts": self.num_prompts, "prompt_length": self.prompt_length,
+                  "max_new_tokens": self.max_new_tokens}  # fmt: skip
+        problems = [f"{name}={value} must be at least 1" for name, value in counts.items() if value < 1]
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature={self.temperature} must be a non-negative number")
         _raise_if(problems)
 
 
@@ -181,9 +204,11 @@ class MilesSyncConfig:
     engines: EngineConfig = field(default_factory=EngineConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int = 0
-    num_rounds: int = 1  # training steps, each followed by one sync
+    num_rounds: int = 5  # rounds of rollout -> reward -> policy-gradient step -> sync
     run_name: str = "default"
+    output_dir: str = "outputs"  # the run writes <output_dir>/<run_name>/report.json and report.png
 
     def __post_init__(self) -> None:
         problems = []
@@ -208,18 +233,58 @@ def load_config(
     config_dir: str | Path | None = None, config_name: str = "default", overrides: Sequence[str] = ()
 ) -> MilesSyncConfig:
     """Read `<config_dir>/<config_name>.yaml` (default: the repository's conf/), apply dotlist overrides
-    ("sync.transport=colocated"), and return the validated config. Raises ValueError naming the offending key."""
+    ("sync.transport=colocated") and config-group choices ("demo=frozen_draft_bug"), and return the validated
+    config. Raises ValueError naming the offending key.
+
+    The file's Hydra `defaults` list is honoured the way `launch.run` (Hydra) composes it, for the shapes conf/
+    uses: `_self_` first, then `group: option` entries whose files (`<group>/<option>.yaml`) are global-package
+    overrides.
+    """
     directory = DEFAULT_CONFIG_DIR if config_dir is None else Path(config_dir)
-    path = directory / f"{config_name}.yaml"
+    loaded = _load_yaml(directory / f"{config_name}.yaml", what=f"config {config_name!r}")
+    groups = _defaults_groups(loaded, directory)
+    dotted = []
+    for override in _check_overrides(overrides):
+        key, _, value = override.partition("=")
+        if key in groups:
+            groups[key] = None if value in ("null", "") else value
+        else:
+            dotted.append(override)
+    merged: DictConfig = loaded
+    for group, option in groups.items():
+        if option is not None:
+            path = directory / group / f"{option}.yaml"
+            choices = sorted(p.stem for p in (directory / group).glob("*.yaml"))
+            merged = OmegaConf.merge(merged, _load_yaml(path, what=f"{group}={option} (choices: {choices})"))
+    return to_config(merged, overrides=dotted)
+
+
+def _load_yaml(path: Path, *, what: str) -> DictConfig:
     if not path.is_file():
-        raise ValueError(f"config {config_name!r} not found: {path} is not a file")
+        raise ValueError(f"{what} not found: {path} is not a file")
     try:
         loaded = OmegaConf.load(path)
     except yaml.YAMLError as e:
         raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(loaded, DictConfig):
         raise ValueError(f"config file {path} must hold a mapping at the top level")
-    return to_config(loaded, overrides=overrides)
+    return loaded
+
+
+def _defaults_groups(loaded: DictConfig, directory: Path) -> dict[str, str | None]:
+    """Pop the Hydra defaults list off `loaded`; returns {group: option} in list order."""
+    if "defaults" not in loaded:
+        return {}
+    entries = OmegaConf.to_container(loaded.pop("defaults"))
+    groups: dict[str, str | None] = {}
+    for entry in entries if isinstance(entries, list) else [entries]:
+        if entry == "_self_":
+            continue
+        if not (isinstance(entry, dict) and len(entry) == 1):
+            raise ValueError(f"defaults entry {entry!r} in {directory}: expected '_self_' or 'group: option'")
+        ((group, option),) = entry.items()
+        groups[str(group).removeprefix("optional ")] = None if option is None else str(option)
+    return groups
 
 
 def to_config(cfg: Mapping[str, Any] | DictConfig, *, overrides: Sequence[str] = ()) -> MilesSyncConfig:

@@ -266,6 +266,7 @@ class ControllerService:
                 speculative_algorithm=model.speculative_algorithm,
                 num_trained_mtp_layers=model.num_trained_mtp_layers,
                 conversion_mode=sync.conversion,
+                check_coverage=sync.check_selector,
             ),
             pause_mode=sync.pause_mode,
             verify=sync.verify,

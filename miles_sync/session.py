@@ -61,6 +61,9 @@ class SelectorInputs:
     speculative_algorithm: str | None
     num_trained_mtp_layers: int
     conversion_mode: ConversionMode
+    # False skips the draft-coverage cross-check (a selected draft that the export cannot feed); only to
+    # reproduce the frozen-draft bug of systems without it.
+    check_coverage: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +172,7 @@ async def choose_selector(
                 num_trained_mtp_layers=inputs.num_trained_mtp_layers,
                 conversion_mode=inputs.conversion_mode,
                 draft=report,
-                exported_names=exported,
+                exported_names=exported if inputs.check_coverage else None,
             )
         except ValueError as exc:
             problems.append(f"{engine.url}: {exc}")

@@ -46,6 +46,7 @@ __all__ = [
     "SGLangEngineSpec",
     "Sample",
     "engine_spec",
+    "generate_samples",
     "reserve_port",
 ]
 
@@ -356,6 +357,26 @@ class Sample:
     spec_accept_length: float | None = None  # mean tokens accepted per verify step; None without a draft
 
 
+async def generate_samples(
+    client: EngineClient, prompts: Sequence[Sequence[int]], *, sampling: SamplingParams
+) -> tuple[Sample, ...]:
+    """One completion per prompt from the engine behind `client`, requested concurrently (the engine batches
+    them); each Sample carries the weight version the engine reported for it."""
+    responses = await asyncio.gather(
+        *(client.generate(GenerateRequest(input_ids=tuple(p), sampling_params=sampling)) for p in prompts)
+    )
+    return tuple(
+        Sample(
+            engine_url=client.url,
+            prompt_ids=tuple(prompt),
+            output_ids=tuple(r.output_ids),
+            weight_version=r.meta_info.weight_version,
+            spec_accept_length=r.meta_info.spec_accept_length,
+        )
+        for prompt, r in zip(prompts, responses)
+    )
+
+
 class RolloutWorker:
     """One rollout engine: launches its server and generates from it. Async, bound to the event loop it first runs
     on (a Ray async actor wraps it). `start` must come first; `restart` gives a new URL."""
@@ -413,20 +434,7 @@ class RolloutWorker:
         url = self._launcher.url
         if url is None:
             raise RuntimeError("RolloutWorker.generate before start(): no engine is running")
-        client = self._connected_client(url)
-        responses = await asyncio.gather(
-            *(client.generate(GenerateRequest(input_ids=tuple(p), sampling_params=sampling)) for p in prompts)
-        )
-        return tuple(
-            Sample(
-                engine_url=url,
-                prompt_ids=tuple(prompt),
-                output_ids=tuple(r.output_ids),
-                weight_version=r.meta_info.weight_version,
-                spec_accept_length=r.meta_info.spec_accept_length,
-            )
-            for prompt, r in zip(prompts, responses)
-        )
+        return await generate_samples(self._connected_client(url), prompts, sampling=sampling)
 
     def _connected_client(self, url: str) -> EngineClient:
         # One client per server start: a restarted engine has a new URL.

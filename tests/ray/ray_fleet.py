@@ -13,12 +13,12 @@ from collections.abc import Iterator, Sequence
 import ray
 
 from miles_sync.engine.client import EngineClient
+from miles_sync import rl
 from miles_sync.engine.launcher import Sample
-from miles_sync.engine.reference.checkpoints import LanguageRecipe, next_token
 from miles_sync.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
-from miles_sync.trainer import TrainBatch
+from miles_sync.rl import make_prompts, reward, train_batch  # noqa: F401 - reward, train_batch: for the tests
 
-LANGUAGE = LanguageRecipe()
+
 RAY_TIMEOUT_S = 300.0  # every ray.get in these tests waits at most this long
 OBJECT_STORE_BYTES = 128 * 2**20
 
@@ -63,42 +63,13 @@ def _is_loopback(host: str) -> bool:
 
 
 def prompts(round_index: int, *, num_prompts: int = 4, length: int = 4) -> list[list[int]]:
-    """Deterministic prompts in the language (a different start token per prompt and round)."""
-    result = []
-    for i in range(num_prompts):
-        token = (37 * round_index + 61 * i + 5) % LANGUAGE.vocab_size
-        prompt = [token]
-        for _ in range(length - 1):
-            prompt.append(int(next_token(prompt[-1], LANGUAGE)))
-        result.append(prompt)
-    return result
-
-
-def reward(sample: Sample) -> float:
-    """Share of completion tokens that follow the language's rule from the token before them."""
-    previous = sample.prompt_ids[-1]
-    hits = 0
-    for token in sample.output_ids:
-        hits += int(token == next_token(previous, LANGUAGE))
-        previous = token
-    return hits / max(1, len(sample.output_ids))
-
-
-def train_batch(samples: Sequence[Sample]) -> TrainBatch:
-    """REINFORCE with a zero baseline: every sample pulls the policy toward itself, weighted by its reward (so the
-    weights move every step even when all rewards are equal)."""
-    return TrainBatch(
-        sequences=tuple(s.prompt_ids + s.output_ids for s in samples),
-        num_prompt_tokens=tuple(len(s.prompt_ids) for s in samples),
-        rewards=tuple(reward(s) for s in samples),
-        baseline=0.0,
-    )
+    return make_prompts(round_index, num_prompts=num_prompts, length=length)
 
 
 def mean_accept_length(samples: Sequence[Sample]) -> float:
-    values = [s.spec_accept_length for s in samples]
-    assert all(v is not None for v in values), "an engine with a draft reports spec_accept_length for every sample"
-    return sum(values) / len(values)
+    value = rl.mean_accept_length(samples)
+    assert value is not None, "an engine with a draft reports spec_accept_length for every sample"
+    return value
 
 
 def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:

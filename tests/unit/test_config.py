@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import typing
 
 import pytest
@@ -45,6 +46,7 @@ def _yaml_keys(node: object) -> dict | None:
 def test_default_yaml_mirrors_the_records_key_for_key():
     with open(DEFAULT_CONFIG_DIR / "default.yaml") as f:
         raw = yaml.safe_load(f)
+    assert raw.pop("defaults") == ["_self_", {"demo": "none"}]  # Hydra's list of config groups
     assert _yaml_keys(raw) == _record_keys(MilesSyncConfig)
 
 
@@ -131,7 +133,7 @@ def test_every_invalid_value_is_named_at_once():
     for part in (
         "sync: bucket_bytes=0 must be positive",
         "sync_timeout_s=-1.0 must be a positive number",
-        "trainer: ep=3 must divide tp*dp=1*1=1",
+        "trainer: ep=3 must divide tp*dp=2*1=2",
     ):
         assert part in message
     # The root's own checks run once its parts are valid.
@@ -154,8 +156,8 @@ def test_every_invalid_value_is_named_at_once():
          ["arch must not be empty", "speculative_algorithm", "num_trained_mtp_layers=-2"]),
         (lambda: ClusterConfig(num_cpus=0), ["num_cpus=0"]),
         (lambda: MilesSyncConfig(seed=-1, num_rounds=0, run_name="a/b"), ["seed=-1", "num_rounds=0", "'a/b'"]),
-        (lambda: MilesSyncConfig(engines=EngineConfig(draft_kind=DraftKind.MTP)),
-         ["model.speculative_algorithm=None and engines.draft_kind='mtp' disagree"]),
+        (lambda: MilesSyncConfig(engines=EngineConfig(draft_kind=DraftKind.NONE)),
+         ["model.speculative_algorithm='NEXTN' and engines.draft_kind='none' disagree"]),
     ],
 )
 def test_records_validate_at_construction(make, parts):
@@ -211,7 +213,18 @@ def test_yaml_round_trip_through_a_file(tmp_path):
 def test_interpolation_is_resolved(tmp_path):
     text = (DEFAULT_CONFIG_DIR / "default.yaml").read_text().replace("run_name: default", "run_name: run_${seed}")
     (tmp_path / "interp.yaml").write_text(text)
+    shutil.copytree(DEFAULT_CONFIG_DIR / "demo", tmp_path / "demo")
     assert load_config(tmp_path, "interp", overrides=["seed=7"]).run_name == "run_7"
+
+
+def test_the_demo_group_overrides_the_defaults():
+    demo = load_config(overrides=["demo=frozen_draft_bug", "num_rounds=3"])
+    assert demo.sync.selector is SelectorMode.ALL and demo.engines.finalize_policy is FinalizePolicy.SGLANG
+    assert not demo.sync.check_selector and not demo.sync.verify
+    assert demo.run_name == "frozen_draft_bug" and demo.num_rounds == 3
+    assert load_config(overrides=["demo=none"]) == load_config()
+    with pytest.raises(ValueError, match=r"demo=nope \(choices: \['frozen_draft_bug', 'none'\]\) not found"):
+        load_config(overrides=["demo=nope"])
 
 
 def test_file_errors(tmp_path):
