@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The README's first command. Installs if needed, then runs the main job. Until the Ray-launched RL loop lands,
-# the job is the export parity check: a TP=2 Megatron Qwen3 model with an MTP layer on two local gloo processes,
-# exported to HF tensors and compared against transformers' logits (last line: max_abs_logit_diff=... OK).
+# The README's first command: installs into .venv if needed, then runs the main job on the embedded default (a
+# local Ray cluster on 127.0.0.1, 2 Megatron trainer ranks with TP=2, 2 CPU reference engines with a frozen MTP
+# draft, 5 rounds). Extra arguments are Hydra overrides, e.g. `bash launch/local.sh demo=frozen_draft_bug`.
+# Writes outputs/<run_name>/report.json and report.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled
-exec .venv/bin/python -m miles_sync.export.parity --arch qwen3 --mode raw --tp 2 --pp 1 --ep 1 --mtp-layers 1 "$@"
+exec .venv/bin/python -m launch.run "$@"
