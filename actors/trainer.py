@@ -71,6 +71,9 @@ def create_trainers(
         options = resources.as_actor_options() if placement is None else placement.trainer_options(rank)
         if env_vars:
             options["runtime_env"] = {"env_vars": dict(env_vars)}
+        # A second slot lets the controller read a running send's bucket progress. The driver never overlaps
+        # train_step with a sync, so the rank's own work still runs one call at a time.
+        options["max_concurrency"] = 2
         actors.append(
             remote_class.options(**options).remote(
                 rank=rank,

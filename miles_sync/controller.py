@@ -21,7 +21,7 @@ from typing import Any
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
 from miles_sync.lease import LeaseLostError, SyncLease
 from miles_sync.protocol import DEFAULT_GROUP_NAME, PauseMode
-from miles_sync.report import EngineResult, PhaseTimes, ProgressBar, SyncReport
+from miles_sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sender import WeightSource
 from miles_sync.session import SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.transport.base import EngineEndpoint, GroupMembership, plan_membership, transport_spec
@@ -104,6 +104,7 @@ class SyncController:
         # What every engine serves after the last committed sync (None before the first one): a failed send checks
         # the engines against it, so that one the send never reached keeps serving.
         self._committed_checksums: dict[str, str] | None = None
+        self._progress: SyncProgress | None = None
         self._membership: GroupMembership | None = None
         self._is_open = False
         self._generation = 0
@@ -131,6 +132,11 @@ class SyncController:
     def serving_engines(self) -> tuple[str, ...]:
         """Engines that hold the committed weights and may take generation traffic."""
         return tuple(u for u in self._urls if u not in self._stale)
+
+    @property
+    def progress(self) -> SyncProgress | None:
+        """The running (or last) sync's acknowledged buckets so far; None before the first sync."""
+        return self._progress
 
     @property
     def membership(self) -> GroupMembership | None:
@@ -200,6 +206,12 @@ class SyncController:
             report = await self._open_group(version)
             if report is None:
                 bar = ProgressBar(description=f"sync v{version}", is_enabled=self._show_progress)
+                self._progress = SyncProgress(version=version, buckets=())
+
+                def on_bucket(event: BucketProgress) -> None:
+                    self._progress = replace(self._progress, buckets=(*self._progress.buckets, event))
+                    bar.update(event)
+
                 try:
                     report = await run_sync_session(
                         engines=[self._clients[u] for u in self._urls],
@@ -211,7 +223,7 @@ class SyncController:
                         verify=self._verify,
                         timeouts=self._timeouts,
                         transport_name=self._transport,
-                        on_bucket=bar.update,
+                        on_bucket=on_bucket,
                         committed_checksums=self._committed_checksums,
                     )
                 finally:

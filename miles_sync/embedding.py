@@ -34,7 +34,7 @@ from miles_sync.config import ModelConfig, SyncConfig
 from miles_sync.controller import GroupSettings, SyncController, SyncError
 from miles_sync.env import read_environment
 from miles_sync.protocol import Selector
-from miles_sync.report import BucketProgress, SyncReport
+from miles_sync.report import BucketProgress, SyncProgress, SyncReport
 from miles_sync.selector import ConversionMode
 from miles_sync.sender import SendResult
 from miles_sync.session import SelectorInputs, SessionTimeouts
@@ -55,6 +55,7 @@ DEFAULT_ATTACHMENT = "default"
 # Extra seconds the controller waits for a rank beyond the rank's own deadline, so the rank's precise error (not a
 # bare controller-side timeout) is what gets reported.
 _RANK_DEADLINE_MARGIN_S = 10.0
+_PROGRESS_POLL_S = 0.2
 
 _attached: dict[str, ModelSource] = {}
 _attached_lock = threading.Lock()
@@ -175,15 +176,37 @@ class RemoteTrainerSource:
         self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
     ) -> SendResult:
         # Every rank exports at once (the gather's collectives pair up); only the source's result carries bytes.
-        results: list[RankSendResult] = await self._on_all(
-            "send", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S, selector=selector
+        sending = asyncio.ensure_future(
+            self._on_all("send", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S, selector=selector)
         )
+        num_seen = 0
+        if on_bucket is not None:
+            num_seen = await self._forward_progress(sending, on_bucket)
+        results: list[RankSendResult] = await sending
         sent = results[self._source_index]
         if on_bucket is not None:
-            # Buckets were acknowledged in the source's process; their events arrive with its result.
-            for event in sent.progress:
+            for event in sent.progress[num_seen:]:  # acknowledged after the last poll
                 on_bucket(event)
         return sent.result
+
+    async def _forward_progress(self, sending: asyncio.Future, on_bucket: Callable[[BucketProgress], None]) -> int:
+        """Poll the source rank for acknowledged buckets while `sending` runs and pass them on; returns how many.
+
+        Best effort: buckets are acknowledged in the source's process, and an actor that runs one call at a time
+        answers the poll only after the send (the rest then arrive with the send's result)."""
+        num_seen = 0
+        while not sending.done():
+            await asyncio.wait({sending}, timeout=_PROGRESS_POLL_S)
+            if sending.done():
+                break
+            try:
+                events = await self._call(self._source(), "progress", timeout_s=self._control_timeout_s, start=num_seen)
+            except Exception:  # progress must never fail a sync; the send's own outcome decides
+                continue
+            for event in events:
+                on_bucket(event)
+            num_seen += len(events)
+        return num_seen
 
     async def close(self) -> None:
         await self._on_all("close", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S)
@@ -312,6 +335,10 @@ class ControllerService:
 
     def stale_engines(self) -> tuple[str, ...]:
         return self._controller.stale_engines
+
+    def progress(self) -> SyncProgress | None:
+        """The running (or last) sync's acknowledged buckets; poll it from the driver while `sync` runs."""
+        return self._controller.progress
 
     def membership(self) -> GroupMembership | None:
         return self._controller.membership

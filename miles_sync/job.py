@@ -16,6 +16,7 @@ import contextlib
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from miles_sync.engine.reference.checkpoints import cached_checkpoints
 from miles_sync.env import read_environment
 from miles_sync.placement import PlacedGroups, PlacementLayout, create_placement_groups, plan_placement
 from miles_sync.protocol import SamplingParams
+from miles_sync.report import ProgressBar, SyncReport
 from miles_sync.rl import make_prompts, mean_accept_length, reward, train_batch
 from miles_sync.run_report import (
     BaselineRecord,
@@ -52,6 +54,7 @@ __all__ = ["JobResult", "run_job"]
 _START_TIMEOUT_S = 600.0  # engines and trainer ranks import torch/megatron and load the checkpoint
 _PLACEMENT_TIMEOUT_S = 120.0
 _ROUND_MARGIN_S = 60.0  # beyond the sync's own timeout, for the controller to report its precise error
+_PROGRESS_POLL_S = 0.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +127,7 @@ class _Fleet:
         self._sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                         sampling_seed=config.seed if rollout.temperature > 0 else None)  # fmt: skip
         self._sync_timeout_s = config.sync.sync_timeout_s + _ROUND_MARGIN_S
+        self._show_progress = sys.stderr.isatty()
 
     @classmethod
     @contextlib.contextmanager
@@ -175,7 +179,7 @@ class _Fleet:
         losses = {s.loss for s in steps}
         if len(losses) != 1:  # tensor-parallel ranks compute one loss; anything else is a broken group
             raise RuntimeError(f"round {index}: trainer ranks computed different losses {sorted(losses)}")
-        report = ray.get(self._controller.sync.remote(raise_on_failure=False), timeout=self._sync_timeout_s)
+        report = self._sync_with_progress()
         if not report.committed:
             self._log(report.summary())
             row = round_record(index, report, loss=steps[0].loss, accept_length=None, reward=0.0,
@@ -186,6 +190,30 @@ class _Fleet:
         row = round_record(index, report, loss=steps[0].loss, accept_length=mean_accept_length(samples),
                            reward=_mean_reward(samples), samples_tagged=tagged)  # fmt: skip
         return row, samples
+
+
+    def _sync_with_progress(self) -> SyncReport:
+        """One sync on the controller; meanwhile a per-bucket bar on this driver, fed by polling the controller."""
+        get_timeout = self._config.sync.http_timeout_s
+        previous = ray.get(self._controller.progress.remote(), timeout=get_timeout)
+        ref = self._controller.sync.remote(raise_on_failure=False)
+        bar = ProgressBar(description="sync", is_enabled=self._show_progress, file=sys.stderr)
+        num_shown = 0
+        deadline = time.monotonic() + self._sync_timeout_s
+        try:
+            while True:
+                ready, _ = ray.wait([ref], timeout=_PROGRESS_POLL_S)
+                progress = ray.get(self._controller.progress.remote(), timeout=get_timeout)
+                if progress is not None and progress != previous:  # the running sync's, not the last one's
+                    for event in progress.buckets[num_shown:]:
+                        bar.update(event)
+                    num_shown = len(progress.buckets)
+                if ready:
+                    return ray.get(ref, timeout=get_timeout)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the sync did not return within {self._sync_timeout_s} s")
+        finally:
+            bar.close()
 
 
 def _checkpoint_dir(config: MilesSyncConfig, *, log: Callable[[str], None]) -> str:

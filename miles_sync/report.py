@@ -17,6 +17,7 @@ __all__ = [
     "BucketProgress",
     "EngineResult",
     "PhaseTimes",
+    "SyncProgress",
     "ProgressBar",
     "SyncReport",
     "decode_report",
@@ -121,6 +122,14 @@ class BucketProgress:
     num_tensors: int
     total_bytes: int  # cumulative, including this bucket
     elapsed_s: float  # since the first bucket started
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncProgress:
+    """A sync's buckets acknowledged so far, for a driver that shows progress while the sync runs elsewhere."""
+
+    version: str
+    buckets: tuple[BucketProgress, ...]
 
 
 class ProgressBar:

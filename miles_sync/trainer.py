@@ -156,6 +156,9 @@ class ModelSource:
         self._sender: Sender | None = None
         self._call_timeout_s = collective_timeout_s
         self._unit_listeners: list[Callable[[int], None]] = []
+        # The current (or last) send's acknowledged buckets, appended on the loop thread as they happen: `progress`
+        # reads them from another thread while the send runs (list appends and slices are atomic in CPython).
+        self._progress: list[BucketProgress] = []
 
     def describe(self) -> RankInfo:
         return self._info
@@ -204,13 +207,18 @@ class ModelSource:
         sender = self._sender
         if sender is None:
             raise RuntimeError(f"rank {self._info.rank}: send before open()")
-        progress: list[BucketProgress] = []
+        self._progress = progress = []
         result = self._loop.run(
             sender.send(selector=selector, on_bucket=progress.append),
             timeout_s=self._call_timeout_s,
             what=f"rank {self._info.rank} sending weights",
         )
         return RankSendResult(rank=self._info.rank, result=result, progress=tuple(progress))
+
+    def progress(self, *, start: int = 0) -> tuple[BucketProgress, ...]:
+        """The buckets the current (or last) send had acknowledged, from the `start`-th on; safe to call while a
+        send runs on another thread (the actor needs max_concurrency > 1 for that)."""
+        return tuple(self._progress[start:])
 
     def close(self, *, timeout_s: float = 60.0) -> None:
         """Tear the transport down (idempotent)."""

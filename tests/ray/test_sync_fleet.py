@@ -272,6 +272,44 @@ def test_embedding_example_syncs_a_pipelines_own_trainers(fleet, reference_check
     assert len(after) == 1 and after != before  # the pipeline's weights reached both engines
 
 
+def slow_export(unit_index: int, seconds: float):
+    """A unit listener for the source rank: pause the export for `seconds` at unit `unit_index`. Returned as a
+    closure so that Ray ships it by value (the test module is not importable in the actor)."""
+
+    def arm(actor):
+        def pause(index: int) -> None:
+            if index == unit_index:
+                time.sleep(seconds)
+
+        attached_source().add_unit_listener(pause)
+
+    return arm
+
+
+def test_bucket_progress_reaches_the_driver_while_the_sync_runs(fleet):
+    source = fleet.trainers.actors[fleet.source_rank]
+    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+        num_units = fleet.num_tensors  # at least one unit per bucket boundary; pause halfway through the export
+        ray.get(source.__ray_call__.remote(slow_export(num_units // 2, 3.0)), timeout=60)
+        try:
+            ref = controller.sync.remote()
+            seen = []
+            while not ray.wait([ref], timeout=0.05)[0]:
+                progress = ray.get(controller.progress.remote(), timeout=RAY_TIMEOUT_S)
+                if progress is not None:
+                    seen.append(len(progress.buckets))
+            report = ray.get(ref, timeout=RAY_TIMEOUT_S)
+        finally:
+            ray.get(source.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()), timeout=60)
+        assert report.committed and report.num_buckets > 2, report.summary()
+        # Buckets acknowledged before the pause were visible while the sync still ran.
+        assert any(0 < n < report.num_buckets for n in seen), seen
+        final = ray.get(controller.progress.remote(), timeout=RAY_TIMEOUT_S)
+        assert final.version == report.version
+        assert [b.index for b in final.buckets] == list(range(report.num_buckets))
+        assert final.buckets[-1].total_bytes == report.num_bytes
+
+
 def arm_engine_kill(victim):
     """A unit listener for the source rank: SIGKILL the victim engine as the first unit leaves the export, i.e.
     after every engine has begun the session and before the first bucket's broadcast completes."""

@@ -31,7 +31,7 @@ SELECTOR_ALL = {
 }  # fmt: skip
 CONFIG_ALL = {
     "DEFAULT_CONFIG_DIR", "ClusterConfig", "EngineConfig", "EngineKind", "FinalizePolicy", "MilesSyncConfig",
-    "ModelConfig", "SyncConfig", "TrainerConfig", "Transport", "WeightLayout", "load_config", "to_config", "to_yaml",
+    "ModelConfig", "RolloutConfig", "SyncConfig", "TrainerConfig", "Transport", "WeightLayout", "load_config", "to_config", "to_yaml",
 }  # fmt: skip
 CODEC_ALL = {"decode", "encode"}
 
@@ -232,11 +232,14 @@ CONFIG_FIELDS = {
     "sync": {
         "transport": None, "conversion": None, "bucket_bytes": None, "selector": None, "pause_mode": None,
         "verify": None, "http_timeout_s": None, "collective_timeout_s": None, "sync_timeout_s": None,
+        "check_selector": None,
     },
     "cluster": {"address": None, "num_cpus": None},
+    "rollout": {"num_prompts": None, "prompt_length": None, "max_new_tokens": None, "temperature": None},
     "seed": None,
     "num_rounds": None,
     "run_name": None,
+    "output_dir": None,
 }  # fmt: skip
 
 
