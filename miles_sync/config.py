@@ -86,6 +86,9 @@ class SyncConfig:
     # Refuse a selector whose draft runner the export cannot feed (a frozen draft under `all`). Off only to
     # reproduce what systems without the check do (demo=frozen_draft_bug).
     check_selector: bool = True
+    # Export and pack the whole next version before the pause, while the engines still generate; the pause then
+    # covers only transfer and finalize. Costs one packed copy of the model in the source rank's memory.
+    staged: bool = False
 
     def __post_init__(self) -> None:
         problems = []

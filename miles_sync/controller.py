@@ -62,6 +62,7 @@ class SyncController:
         pause_mode: PauseMode,
         verify: bool,
         timeouts: SessionTimeouts,
+        staged: bool = False,
         group: GroupSettings = GroupSettings(),
         api_key: str | None = None,
         lease: SyncLease | None = None,
@@ -74,6 +75,8 @@ class SyncController:
             problems.append("engine_urls is empty")
         if duplicates:
             problems.append(f"engine_urls repeat {duplicates}")
+        if staged and not callable(getattr(source, "stage", None)):
+            problems.append(f"staged export needs a source with stage(); {type(source).__name__} has none")
         if not lease_wait_s > 0:
             problems.append(f"lease_wait_s={lease_wait_s} must be positive")
         try:
@@ -88,6 +91,7 @@ class SyncController:
         self._selector_inputs = selector_inputs
         self._pause_mode = PauseMode(pause_mode)
         self._verify = verify
+        self._staged = staged
         self._timeouts = timeouts
         self._group = group
         self._api_key = api_key
@@ -221,6 +225,7 @@ class SyncController:
                         selector_inputs=self._selector_inputs,
                         pause_mode=self._pause_mode,
                         verify=self._verify,
+                        staged=self._staged,
                         timeouts=self._timeouts,
                         transport_name=self._transport,
                         on_bucket=on_bucket,

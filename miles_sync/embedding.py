@@ -36,7 +36,7 @@ from miles_sync.env import read_environment
 from miles_sync.protocol import Selector
 from miles_sync.report import BucketProgress, SyncProgress, SyncReport
 from miles_sync.selector import ConversionMode
-from miles_sync.sender import SendResult
+from miles_sync.sender import SendResult, StageResult
 from miles_sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.trainer import ModelSource, RankInfo, RankSendResult, SenderSettings
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
@@ -189,6 +189,10 @@ class RemoteTrainerSource:
                 on_bucket(event)
         return sent.result
 
+    async def stage(self) -> StageResult:
+        results = await self._on_all("stage", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S)
+        return results[self._source_index]
+
     async def _forward_progress(self, sending: asyncio.Future, on_bucket: Callable[[BucketProgress], None]) -> int:
         """Poll the source rank for acknowledged buckets while `sending` runs and pass them on; returns how many.
 
@@ -293,6 +297,7 @@ class ControllerService:
             ),
             pause_mode=sync.pause_mode,
             verify=sync.verify,
+            staged=sync.staged,
             timeouts=SessionTimeouts(control_s=sync.http_timeout_s, sync_s=sync.sync_timeout_s),
             group=GroupSettings(
                 backend=backend, master_address=read_environment().host if master_address is None else master_address

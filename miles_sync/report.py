@@ -35,6 +35,7 @@ class PhaseTimes:
     end_weight_update and update_weight_version on every engine.
     """
 
+    stage_s: float = 0.0  # staged export only: export + pack before the pause, while engines still generate
     pause_s: float = 0.0
     export_s: float = 0.0
     send_s: float = 0.0

@@ -27,7 +27,7 @@ __all__ = [
 
 _PACKAGES = ("miles_sync", "torch", "ray", "megatron-core", "transformers", "omegaconf", "hydra-core", "aiohttp")
 # Phase order of the timeline, as they run; export overlaps send (the next bucket is exported while one flies).
-PHASES = ("pause", "send", "finalize", "verify", "resume")
+PHASES = ("stage", "pause", "send", "finalize", "verify", "resume")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +51,7 @@ class RoundRecord:
     sync_s: float
     gbps: float
     pause_s: float
-    phases: dict[str, float]  # seconds per phase: pause, export, send, finalize, verify, resume
+    phases: dict[str, float]  # seconds per phase: stage, pause, export, send, finalize, verify, resume
     num_bytes: int
     num_buckets: int
     num_tensors: int
@@ -93,7 +93,7 @@ def round_record(
         sync_s=report.total_s,
         gbps=report.gb_per_s,
         pause_s=p.pause_s,
-        phases={"pause": p.pause_s, "export": p.export_s, "send": p.send_s, "finalize": p.finalize_s,
+        phases={"stage": p.stage_s, "pause": p.pause_s, "export": p.export_s, "send": p.send_s, "finalize": p.finalize_s,
                 "verify": p.verify_s, "resume": p.resume_s},  # fmt: skip
         num_bytes=report.num_bytes,
         num_buckets=report.num_buckets,
@@ -149,7 +149,7 @@ def write_png(path: Path, *, baseline: BaselineRecord | None, rounds: Sequence[R
     import matplotlib.pyplot as plt
 
     figure, (timeline, accept) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = dict(zip(PHASES, ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")))
+    colors = dict(zip(PHASES, ("#7f7f7f", "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")))
     for row in rounds:
         start = 0.0
         for phase in PHASES:

@@ -44,6 +44,7 @@ __all__ = [
     "DoubleBuffer",
     "PackedBucket",
     "SendResult",
+    "StageResult",
     "Sender",
     "WeightSource",
     "pair_with_plans",
@@ -65,6 +66,17 @@ class SendResult:
     send_s: float
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageResult:
+    """What one `stage` packed ahead of the pause: `num_bytes` is also the extra memory held until the send."""
+
+    num_bytes: int
+    num_buckets: int
+    export_s: float
+    pack_s: float
+    stage_s: float
+
+
 @runtime_checkable
 class WeightSource(Protocol):
     """The trainer side as the session and controller see it: a local Sender, or a proxy for trainer actors in
@@ -74,6 +86,10 @@ class WeightSource(Protocol):
     joins `membership` while the engines do; it returns the membership bound to its port (None without a group).
     `send` exports and sends the current weights once, calling `on_bucket` after each acknowledged bucket.
     `close` tears the transport down (idempotent). Any failure raises.
+
+    Staged export (optional: `Sender` and the Ray proxy have it): `stage()` exports and packs every bucket of the
+    current weights ahead of the session, while the engines still generate; the next `send` then only transfers
+    them. It holds the whole packed model in memory until that send.
     """
 
     async def exported_names(self) -> tuple[str, ...]: ...
@@ -135,6 +151,33 @@ class PackedBucket:
     plan: BucketPlan
     bucket: FlattenedBucket
     checksums: dict[str, str]
+
+
+class _FreshBuffers:
+    """A buffer of its own per bucket: staged buckets all stay alive until they are sent."""
+
+    def __init__(self, *, device: torch.device) -> None:
+        self._device = device
+
+    def for_bucket(self, index: int, num_bytes: int) -> torch.Tensor:
+        del index
+        return torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+
+
+class _StagedStream:
+    """Buckets packed by `Sender.stage`, replayed in order by the next send; the export already ran."""
+
+    def __init__(self, buckets: Sequence[PackedBucket], *, export_s: float, pack_s: float) -> None:
+        self._buckets = deque(buckets)
+        self.export_s = export_s
+        self.pack_s = pack_s
+
+    def next_bucket(self) -> PackedBucket | None:
+        # popleft: a sent bucket's buffer is freed as soon as the transport is done with it.
+        return self._buckets.popleft() if self._buckets else None
+
+    def drain(self) -> None:
+        self._buckets.clear()
 
 
 class _PackStream:
@@ -228,6 +271,7 @@ class Sender:
         self._device = torch.device(device)
         self._transport: Transport | None = None
         self._clients: tuple[EngineClient, ...] = ()
+        self._staged: _StagedStream | None = None
 
     @property
     def is_source(self) -> bool:
@@ -256,6 +300,7 @@ class Sender:
         return {"device": self._device} if needs_update_group(self._transport_name) else {}
 
     async def close(self) -> None:
+        self._staged = None
         transport, self._transport = self._transport, None
         clients, self._clients = self._clients, ()
         try:
@@ -265,13 +310,49 @@ class Sender:
             for client in clients:
                 await client.close()
 
+    async def stage(self) -> StageResult:
+        """Export and pack every bucket now (every rank, as for `send`); the next `send` transfers these. A later
+        `stage` replaces them; `close` drops them."""
+        start = time.perf_counter()
+        self._staged = None
+        stream = _PackStream(self._export(), cap_bytes=self._bucket_bytes, buffers=_FreshBuffers(device=self._device))
+
+        def pack_all() -> list[PackedBucket]:
+            if not self.is_source:
+                stream.drain()  # the export's collectives still pair up with the source's
+                return []
+            try:
+                return list(iter(stream.next_bucket, None))
+            except Exception:
+                with contextlib.suppress(Exception):  # the original failure is the one to report
+                    stream.drain()  # as in send: the other ranks' collectives must still pair up
+                raise
+
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-stage")
+        try:
+            buckets = await asyncio.get_running_loop().run_in_executor(worker, pack_all)
+        finally:
+            worker.shutdown(wait=False)
+        self._staged = _StagedStream(buckets, export_s=stream.export_s, pack_s=stream.pack_s)
+        return StageResult(
+            num_bytes=sum(b.bucket.num_bytes for b in buckets),
+            num_buckets=len(buckets),
+            export_s=stream.export_s,
+            pack_s=stream.pack_s,
+            stage_s=time.perf_counter() - start,
+        )
+
     async def send(
         self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
     ) -> SendResult:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
-        buffers = DoubleBuffer(cap_bytes=self._bucket_bytes, device=self._device)
-        stream = _PackStream(self._export(), cap_bytes=self._bucket_bytes, buffers=buffers)
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            stream: _PackStream | _StagedStream = staged
+        else:
+            buffers = DoubleBuffer(cap_bytes=self._bucket_bytes, device=self._device)
+            stream = _PackStream(self._export(), cap_bytes=self._bucket_bytes, buffers=buffers)
         # One worker thread runs the whole stream. Not waited for on exit: after a cancellation it finishes the
         # bucket it is packing on its own, and the event loop must not block on it.
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-pack")

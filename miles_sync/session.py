@@ -93,6 +93,7 @@ async def run_sync_session(
     transport_name: str,
     on_bucket: Callable[[BucketProgress], None] | None = None,
     committed_checksums: Mapping[str, str] | None = None,
+    staged: bool = False,
 ) -> SyncReport:
     """Run one session: see the module docstring. `committed_checksums`: the checksums of the version the engines
     serve (the last committed report's), used after a failed send to tell engines that still hold it intact from
@@ -105,7 +106,7 @@ async def run_sync_session(
     try:
         await asyncio.wait_for(
             _sync(fleet, source=source, version=version, inputs=selector_inputs, pause_mode=pause_mode,
-                  verify=verify, clock=clock, run=run, on_bucket=on_bucket),
+                  verify=verify, staged=staged, clock=clock, run=run, on_bucket=on_bucket),
             timeout=timeouts.sync_s,
         )  # fmt: skip
     except Exception as exc:  # every failure of a step ends here and goes into the report
@@ -127,12 +128,16 @@ async def _sync(
     inputs: SelectorInputs,
     pause_mode: PauseMode,
     verify: bool,
+    staged: bool,
     clock: _PhaseClock,
     run: _Run,
     on_bucket: Callable[[BucketProgress], None] | None,
 ) -> None:
     run.selector = selector = await choose_selector(fleet.engines, source=source, inputs=inputs)
     t = fleet.timeout_s
+    if staged:  # before the pause: the engines keep generating while the next version is exported and packed
+        with clock.phase("stage"):
+            await source.stage()
     with clock.phase("pause"):
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
         if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running; the engine invalidates instead
@@ -392,6 +397,7 @@ def _report(
         num_buckets=0 if sent is None else sent.num_buckets,
         num_tensors=0 if sent is None else sent.num_tensors,
         phases=PhaseTimes(
+            stage_s=s.get("stage", 0.0),
             pause_s=s.get("pause", 0.0),
             export_s=0.0 if sent is None else sent.export_s,
             send_s=s.get("send", 0.0),

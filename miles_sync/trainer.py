@@ -32,7 +32,7 @@ from miles_sync.plan import AtomicUnit
 from miles_sync.protocol import Selector
 from miles_sync.report import BucketProgress
 from miles_sync.selector import ConversionMode
-from miles_sync.sender import SendResult, Sender
+from miles_sync.sender import SendResult, Sender, StageResult
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 
 __all__ = [
@@ -215,6 +215,13 @@ class ModelSource:
         )
         return RankSendResult(rank=self._info.rank, result=result, progress=tuple(progress))
 
+    def stage(self) -> StageResult:
+        """Export and pack the current weights ahead of the next send (every rank at once, as for `send`)."""
+        sender = self._sender
+        if sender is None:
+            raise RuntimeError(f"rank {self._info.rank}: stage before open()")
+        return self._loop.run(sender.stage(), timeout_s=self._call_timeout_s, what=f"rank {self._info.rank} staging")
+
     def progress(self, *, start: int = 0) -> tuple[BucketProgress, ...]:
         """The buckets the current (or last) send had acknowledged, from the `start`-th on; safe to call while a
         send runs on another thread (the actor needs max_concurrency > 1 for that)."""
@@ -233,9 +240,17 @@ class ModelSource:
             self._loop.stop()
 
     def _export(self) -> Iterator[ExportedUnit]:
-        for index, unit in enumerate(self._export_units()):
-            for listener in tuple(self._unit_listeners):
-                listener(index)
+        units = self._export_units()
+        for index, unit in enumerate(units):
+            try:
+                for listener in tuple(self._unit_listeners):
+                    listener(index)
+            except Exception:
+                # The other ranks are inside the same export's collectives: finish them before failing, or every
+                # peer would block until its collective timeout and the next sync with it.
+                for _ in units:
+                    pass
+                raise
             yield unit
 
 

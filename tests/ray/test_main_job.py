@@ -42,7 +42,7 @@ def test_default_run_holds_accept_length_and_verifies_every_sync(tmp_path):
     for r in rounds:
         assert r["committed"] and r["verified"] and r["samples_tagged"], r
         assert r["selector"] == "target" and r["num_tensors"] > 0 and r["gbps"] > 0
-        assert set(r["phases"]) == {"pause", "export", "send", "finalize", "verify", "resume"}
+        assert set(r["phases"]) == {"stage", "pause", "export", "send", "finalize", "verify", "resume"}
         assert r["pause_s"] == r["phases"]["pause"] and r["sync_s"] >= r["phases"]["send"]
     assert baseline["accept_length"] > 2.0
     assert rounds[-1]["accept_length"] >= 0.9 * baseline["accept_length"], (baseline, rounds)

@@ -310,6 +310,46 @@ def test_bucket_progress_reaches_the_driver_while_the_sync_runs(fleet):
         assert final.buckets[-1].total_bytes == report.num_bytes
 
 
+def failing_export(unit_index: int):
+    def arm(actor):
+        def fail(index: int) -> None:
+            if index == unit_index:
+                raise RuntimeError(f"export failed on purpose at unit {index}")
+
+        attached_source().add_unit_listener(fail)
+
+    return arm
+
+
+def test_staged_export_sends_the_same_bytes_and_a_failed_stage_changes_nothing(fleet):
+    urls = current_urls(fleet.engines.actors)
+    source = fleet.trainers.actors[fleet.source_rank]
+    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+        plain = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        after_plain = {target_checksum(u) for u in urls}
+    with controller_for(fleet, Transport.DISTRIBUTED, staged=True) as controller:
+        # No training step in between: a staged sync of the same weights must leave the same bytes.
+        staged = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        assert staged.committed and staged.phases.stage_s > 0, staged.summary()
+        assert staged.checksums == plain.checksums and staged.num_bytes == plain.num_bytes
+        for engine in staged.engines:
+            assert engine.success and engine.num_verified_tensors == fleet.num_tensors, engine
+        assert {target_checksum(u) for u in urls} == after_plain and len(after_plain) == 1
+
+        ray.get(source.__ray_call__.remote(failing_export(3)), timeout=60)
+        try:
+            failed = ray.get(controller.sync.remote(raise_on_failure=False), timeout=RAY_TIMEOUT_S)
+        finally:
+            ray.get(source.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()), timeout=60)
+        assert not failed.committed and "on purpose" in failed.error, failed.summary()
+        assert failed.phases.pause_s == 0.0  # it failed while staging: the engines were never paused
+        assert ray.get(controller.weight_version.remote(), timeout=RAY_TIMEOUT_S) == staged.version
+        assert set(ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S)) == set(urls)
+        samples = generate(fleet.engines.actors, 7)
+        assert {s.weight_version for s in samples} == {staged.version}
+        assert ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S).committed  # and the next sync works
+
+
 def arm_engine_kill(victim):
     """A unit listener for the source rank: SIGKILL the victim engine as the first unit leaves the export, i.e.
     after every engine has begun the session and before the first bucket's broadcast completes."""

@@ -232,7 +232,7 @@ CONFIG_FIELDS = {
     "sync": {
         "transport": None, "conversion": None, "bucket_bytes": None, "selector": None, "pause_mode": None,
         "verify": None, "http_timeout_s": None, "collective_timeout_s": None, "sync_timeout_s": None,
-        "check_selector": None,
+        "check_selector": None, "staged": None,
     },
     "cluster": {"address": None, "num_cpus": None},
     "rollout": {"num_prompts": None, "prompt_length": None, "max_new_tokens": None, "temperature": None},
