@@ -280,6 +280,7 @@ class ControllerService:
             call_timeout_s=sync.sync_timeout_s,
             api_key=api_key,
             device=device,
+            hash_buckets=sync.verify,
         )
         self._source = RemoteTrainerSource(
             trainers=trainers, settings=settings, attachment=attachment, control_timeout_s=sync.http_timeout_s

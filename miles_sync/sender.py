@@ -38,6 +38,7 @@ from miles_sync.transport.base import (
     Transport,
     create_transport,
     needs_update_group,
+    transport_spec,
 )
 
 __all__ = [
@@ -126,42 +127,61 @@ def pair_with_plans(
         yield plan, taken
 
 
+def _byte_buffer(num_bytes: int, *, device: torch.device, shared: bool) -> torch.Tensor:
+    """`shared`: in a CPU shared-memory segment (torch's file_system strategy), so that pickling it for a
+    colocated engine passes a handle instead of copying the bytes into a new segment."""
+    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    if shared:
+        buffer.untyped_storage()._share_filename_cpu_()
+    return buffer
+
+
 class DoubleBuffer:
     """Two byte buffers of `cap_bytes`, allocated on first use; bucket i packs into buffer i % 2.
 
     A bucket larger than the cap (one oversized unit travels alone) gets a buffer of its own for that bucket only.
     """
 
-    def __init__(self, *, cap_bytes: int, device: torch.device) -> None:
+    def __init__(self, *, cap_bytes: int, device: torch.device, shared: bool = False) -> None:
         self._cap_bytes = cap_bytes
         self._device = device
+        self._shared = shared
         self._slots: list[torch.Tensor | None] = [None, None]
 
     def for_bucket(self, index: int, num_bytes: int) -> torch.Tensor:
         if num_bytes > self._cap_bytes:
-            return torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+            return _byte_buffer(num_bytes, device=self._device, shared=self._shared)
         slot = index % 2
         if self._slots[slot] is None:
-            self._slots[slot] = torch.empty(self._cap_bytes, dtype=torch.uint8, device=self._device)
+            self._slots[slot] = _byte_buffer(self._cap_bytes, device=self._device, shared=self._shared)
         return self._slots[slot]
 
 
 @dataclass(frozen=True, kw_only=True)
 class PackedBucket:
+    """A packed bucket; `checksums` is None until they are computed (a live send hashes a bucket while it is on
+    the wire, a staged one hashes ahead)."""
+
     plan: BucketPlan
     bucket: FlattenedBucket
-    checksums: dict[str, str]
+    checksums: dict[str, str] | None
+
+
+def bucket_checksums(bucket: FlattenedBucket) -> dict[str, str]:
+    """Checksum of every tensor in the bucket, from the packed bytes (what the engines receive)."""
+    return {name: tensor_checksum(view) for name, view in unpack_bucket(bucket.buffer, bucket.entries)}
 
 
 class _FreshBuffers:
     """A buffer of its own per bucket: staged buckets all stay alive until they are sent."""
 
-    def __init__(self, *, device: torch.device) -> None:
+    def __init__(self, *, device: torch.device, shared: bool) -> None:
         self._device = device
+        self._shared = shared
 
     def for_bucket(self, index: int, num_bytes: int) -> torch.Tensor:
         del index
-        return torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+        return _byte_buffer(num_bytes, device=self._device, shared=self._shared)
 
 
 class _StagedStream:
@@ -184,9 +204,12 @@ class _PackStream:
     """Export + pack, one bucket per `next_bucket()` call; runs on one worker thread (export may issue
     collectives, and CUDA streams are per thread)."""
 
-    def __init__(self, units: Iterable[ExportedUnit], *, cap_bytes: int, buffers: DoubleBuffer) -> None:
+    def __init__(
+        self, units: Iterable[ExportedUnit], *, cap_bytes: int, buffers: DoubleBuffer | _FreshBuffers, hash_inline: bool
+    ) -> None:
         self._pairs = pair_with_plans(self._timed(units), cap_bytes=cap_bytes)
         self._buffers = buffers
+        self._hash_inline = hash_inline
         self._seen: set[str] = set()
         self.export_s = 0.0
         self.pack_s = 0.0
@@ -214,7 +237,7 @@ class _PackStream:
             raise ValueError(f"the export stream yielded tensor(s) {repeated} more than once")
         self._seen.update(name for name, _ in named)
         bucket = pack_bucket(named, out=self._buffers.for_bucket(plan.index, plan.num_bytes))
-        checksums = {name: tensor_checksum(view) for name, view in unpack_bucket(bucket.buffer, bucket.entries)}
+        checksums = bucket_checksums(bucket) if self._hash_inline else None
         self.pack_s += time.perf_counter() - start
         return PackedBucket(plan=plan, bucket=bucket, checksums=checksums)
 
@@ -231,6 +254,11 @@ class Sender:
     is not the export source; `send` then only consumes the stream, so every rank runs the export's collectives
     in the same order. After a failed bucket the rest of the stream is still consumed, for the same reason, before
     the error is raised. The engine clients and the transport are built in `open`, on the caller's event loop.
+
+    `hash_buckets`: checksum every tensor sent (SHA-256, on a thread of its own while the bucket is on the wire).
+    Verification needs them; without them (verify off) a send costs one pass less over the bytes, and after a
+    failed send the controller cannot tell an untouched engine from a partial one, so it quarantines every engine
+    the session reached.
     """
 
     def __init__(
@@ -245,6 +273,7 @@ class Sender:
         http_timeout_s: float,
         api_key: str | None = None,
         device: torch.device | str = "cpu",
+        hash_buckets: bool = True,
     ) -> None:
         problems = []
         if transport is not None and transport not in TRANSPORTS:
@@ -272,6 +301,8 @@ class Sender:
         self._transport: Transport | None = None
         self._clients: tuple[EngineClient, ...] = ()
         self._staged: _StagedStream | None = None
+        self._buffers: DoubleBuffer | None = None
+        self._hash_buckets = hash_buckets
 
     @property
     def is_source(self) -> bool:
@@ -299,8 +330,30 @@ class Sender:
         # Only the distributed transport places buffers on a device of its group.
         return {"device": self._device} if needs_update_group(self._transport_name) else {}
 
+    def _send_buffers(self) -> DoubleBuffer:
+        """The pack buffers of a send. On the CPU they are kept from one send to the next: fresh ones cost a page
+        fault per 4 KiB and an munmap per bucket, about as long as the copy into them. On a GPU the caching
+        allocator already reuses the blocks, and holding them would keep 2 buckets of device memory through
+        training, so each send allocates its own."""
+        if self._device.type != "cpu":
+            return DoubleBuffer(cap_bytes=self._bucket_bytes, device=self._device)
+        if self._buffers is None:
+            self._buffers = DoubleBuffer(
+                cap_bytes=self._bucket_bytes, device=self._device, shared=self._shares_cpu_memory
+            )
+        return self._buffers
+
+    @property
+    def _shares_cpu_memory(self) -> bool:
+        return (
+            self._transport_name is not None
+            and self._device.type == "cpu"
+            and transport_spec(self._transport_name).shares_cpu_memory
+        )
+
     async def close(self) -> None:
         self._staged = None
+        self._buffers = None
         transport, self._transport = self._transport, None
         clients, self._clients = self._clients, ()
         try:
@@ -315,7 +368,10 @@ class Sender:
         `stage` replaces them; `close` drops them."""
         start = time.perf_counter()
         self._staged = None
-        stream = _PackStream(self._export(), cap_bytes=self._bucket_bytes, buffers=_FreshBuffers(device=self._device))
+        stream = _PackStream(
+            self._export(), cap_bytes=self._bucket_bytes, buffers=_FreshBuffers(device=self._device, shared=self._shares_cpu_memory),
+            hash_inline=self._hash_buckets,
+        )
 
         def pack_all() -> list[PackedBucket]:
             if not self.is_source:
@@ -351,8 +407,9 @@ class Sender:
         if staged is not None:
             stream: _PackStream | _StagedStream = staged
         else:
-            buffers = DoubleBuffer(cap_bytes=self._bucket_bytes, device=self._device)
-            stream = _PackStream(self._export(), cap_bytes=self._bucket_bytes, buffers=buffers)
+            stream = _PackStream(
+                self._export(), cap_bytes=self._bucket_bytes, buffers=self._send_buffers(), hash_inline=False
+            )
         # One worker thread runs the whole stream. Not waited for on exit: after a cancellation it finishes the
         # bucket it is packing on its own, and the event loop must not block on it.
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-pack")
@@ -392,28 +449,41 @@ class Sender:
             raise RuntimeError("Sender.send before open(): the transport is not built")
         loop = asyncio.get_running_loop()
         totals = _Totals()
-        in_flight: tuple[asyncio.Task, PackedBucket] | None = None
+        in_flight: tuple[asyncio.Task, asyncio.Future, PackedBucket] | None = None
+        # Bucket i is hashed on its own thread while it is on the wire (the checksums are needed only once the send
+        # is over), so the hash is off the path from packing to broadcasting. Both finish before bucket i + 2 is
+        # packed into the same buffer: the loop awaits them before it starts bucket i + 1.
+        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-hash")
         try:
             while True:
                 packed = await loop.run_in_executor(worker, stream.next_bucket)  # while bucket i is in flight
                 if in_flight is not None:
-                    await in_flight[0]
-                    totals.add(in_flight[1], start=start, on_bucket=on_bucket)
+                    task, hashing, sent = in_flight
+                    await task
+                    checksums = await hashing
+                    totals.add(sent, checksums, start=start, on_bucket=on_bucket)
                     in_flight = None
                 if packed is None:
                     return totals
                 task = asyncio.create_task(
                     transport.send_bucket(packed.bucket, selector=selector, timeout_s=self._bucket_timeout_s)
                 )
-                in_flight = (task, packed)
+                if packed.checksums is None and self._hash_buckets:
+                    hashing = loop.run_in_executor(hasher, bucket_checksums, packed.bucket)
+                else:
+                    hashing = loop.create_future()
+                    hashing.set_result(packed.checksums or {})
+                in_flight = (task, hashing, packed)
         except BaseException as exc:
             if in_flight is not None:
                 in_flight[0].cancel()
-                await asyncio.gather(in_flight[0], return_exceptions=True)
+                await asyncio.gather(in_flight[0], in_flight[1], return_exceptions=True)
             if isinstance(exc, Exception):  # not on cancellation: the canceller wants control back now
                 with contextlib.suppress(Exception):  # the original failure is the one to report
                     await loop.run_in_executor(worker, stream.drain)
             raise
+        finally:
+            hasher.shutdown(wait=False)
 
 
 class _Totals:
@@ -422,8 +492,15 @@ class _Totals:
         self.num_buckets = 0
         self.checksums: dict[str, str] = {}
 
-    def add(self, packed: PackedBucket, *, start: float, on_bucket: Callable[[BucketProgress], None] | None) -> None:
-        self.checksums.update(packed.checksums)
+    def add(
+        self,
+        packed: PackedBucket,
+        checksums: dict[str, str],
+        *,
+        start: float,
+        on_bucket: Callable[[BucketProgress], None] | None,
+    ) -> None:
+        self.checksums.update(checksums)
         self.num_bytes += packed.bucket.num_bytes
         self.num_buckets += 1
         if on_bucket is not None:

@@ -58,6 +58,7 @@ class SenderSettings:
     call_timeout_s: float
     api_key: str | None = None
     device: str = "cpu"
+    hash_buckets: bool = True  # checksums of what was sent: verification needs them (see Sender)
 
     def __post_init__(self) -> None:
         names = ("bucket_bytes", "bucket_timeout_s", "open_timeout_s", "http_timeout_s", "call_timeout_s")
@@ -191,6 +192,7 @@ class ModelSource:
             http_timeout_s=settings.http_timeout_s,
             api_key=settings.api_key,
             device=settings.device,
+            hash_buckets=settings.hash_buckets,
         )
         bound = self._loop.run(
             sender.open(engines=engines, membership=membership),

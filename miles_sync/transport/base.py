@@ -170,6 +170,9 @@ class TransportSpec:
     class_name: str
     needs_update_group: bool
     endpoints: tuple[str, ...]
+    # Buckets travel as handles to CPU shared memory: the sender packs straight into shared buffers, else every
+    # bucket would be copied once more into a fresh segment when it is pickled.
+    shares_cpu_memory: bool = False
 
 
 TRANSPORTS: dict[str, TransportSpec] = {
@@ -184,6 +187,7 @@ TRANSPORTS: dict[str, TransportSpec] = {
         class_name="ColocatedTransport",
         needs_update_group=False,
         endpoints=("/update_weights_from_tensor",),
+        shares_cpu_memory=True,
     ),
 }
 

@@ -138,6 +138,7 @@ class ReferenceEngine:
         self._session: _Session | None = None
         self._stale: str | None = None
         self._groups = UpdateGroups(timeout_s=collective_timeout_s)
+        self._receive_buffer: torch.Tensor | None = None  # see _bucket_buffer
         self._checker = WeightsChecker(self._runners)
 
     # ---- state -------------------------------------------------------------------------------------------------
@@ -310,7 +311,7 @@ class ReferenceEngine:
     def _receive(self, group: UpdateGroup, entries: Sequence[BucketEntry], *, is_bucket: bool) -> list:
         """The trainer broadcasts once per bucket (flattened) or once per tensor in request order."""
         if is_bucket:
-            buffer = torch.empty(entries[-1].end, dtype=torch.uint8, device=group.device)
+            buffer = self._bucket_buffer(entries[-1].end, device=group.device)
             group.broadcast(buffer, src=_SOURCE_RANK, timeout_s=self._timeout_s)
             return unpack_bucket(buffer.cpu(), entries)
         named = []
@@ -319,6 +320,17 @@ class ReferenceEngine:
             group.broadcast(tensor, src=_SOURCE_RANK, timeout_s=self._timeout_s)
             named.append((entry.name, tensor.cpu()))
         return named
+
+    def _bucket_buffer(self, num_bytes: int, *, device: torch.device) -> torch.Tensor:
+        """A receive buffer of `num_bytes`, reused from bucket to bucket on the CPU (a fresh one costs a page fault
+        per 4 KiB and an munmap, about as long as the receive). Safe: payloads run one at a time under the engine
+        lock, and `Runner.load` copies out of the buffer before the payload answers."""
+        if device.type != "cpu":
+            return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        if self._receive_buffer is None or self._receive_buffer.numel() < num_bytes:
+            self._receive_buffer = None  # free the old one before allocating the larger one
+            self._receive_buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        return self._receive_buffer[:num_bytes]
 
     def _payload_problems(self, session: _Session, metas: Sequence[TensorMeta]) -> list[str]:
         """Everything wrong with a payload for this session's runners; empty when every runner can load it."""

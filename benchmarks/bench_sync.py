@@ -1,0 +1,564 @@
+"""Sync throughput, scaling and overheads, side by side against baselines and this machine's ceiling, in one run.
+
+    python benchmarks/bench_sync.py [--quick] [--json PATH] [--png PATH] [--cache DIR] [--repeats N]
+
+Every figure is a ratio of things measured in the same run (the machine is shared and noisy). Per model (Qwen3
+shapes from ~20M to ~500M parameters, `--quick`: up to ~100M; see _sync_models.py), against reference engines
+started from the same checkpoint:
+
+  (a) miles_sync, distributed: SyncController + Sender over a gloo update group (flattened buckets, double-buffered);
+  (b) per-tensor baseline: the same session, but one metadata POST and one broadcast per tensor, the tensor's own
+      bytes, no packing (what Miles and OpenRLHF send);
+  (c) Ray object store at its best: one `ray.put` of the state dict as numpy arrays, `ray.get` (zero-copy) in one
+      actor per engine, copied into preallocated tensors;
+  (d) ceiling: one gloo broadcast of a single contiguous buffer of the same bytes among the same number of
+      processes (sender + engines) on this host;
+  colocated: miles_sync's shared-memory path vs a pickled copy through a pipe into another process vs one memcpy.
+
+Sweeps on the largest model of the run: bucket size (16 MiB to 1 GiB; quick: to 256 MiB) with the peak RSS growth
+of the sending process and of one engine; 1 to 4 engines; staged export on and off (pause window / sync wall).
+Each measured sync is the median of `--repeats` syncs after one warm-up sync (group set-up excluded). Phase times
+come from the SyncReport the controller returns.
+
+Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_to_end_gbps, speedup_vs_per_tensor
+(model with the most tensors), colocated_vs_memcpy, pause_fraction, peak_extra_mem_over_bucket; then the tables,
+torch/ray versions and the core count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import multiprocessing
+import os
+import pickle
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procstat import PeakSampler, rss_bytes  # noqa: E402
+from _sync_models import FULL_MODELS, MODELS, QUICK_MODELS, ModelSpec, checkpoint_dir, export_units  # noqa: E402
+
+from miles_sync.bucket import BucketEntry, FlattenedBucket  # noqa: E402
+from miles_sync.controller import GroupSettings, SyncController  # noqa: E402
+from miles_sync.engine.client import EngineClient  # noqa: E402
+from miles_sync.engine.launcher import EngineLauncher, ReferenceEngineSpec  # noqa: E402
+from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
+from miles_sync.protocol import PauseMode, Selector  # noqa: E402
+from miles_sync.report import BucketProgress, SyncReport  # noqa: E402
+from miles_sync.selector import ConversionMode, SelectorMode  # noqa: E402
+from miles_sync.sender import SendResult, Sender  # noqa: E402
+from miles_sync.session import SelectorInputs, SessionTimeouts  # noqa: E402
+from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
+from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
+from miles_sync.transport.group import start_store_server  # noqa: E402
+
+MIB = 2**20
+HOST = "127.0.0.1"
+DEFAULT_BUCKET = 256 * MIB
+NO_DRAFT = SelectorInputs(
+    mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
+)
+TIMEOUTS = SessionTimeouts(control_s=300.0, sync_s=1800.0)
+CALL_TIMEOUT_S = 300.0
+ENGINES = 2  # per model; the engine sweep goes to 4
+
+
+def log(message: str) -> None:
+    print(f"[bench_sync {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+# ---- sources --------------------------------------------------------------------------------------------------
+
+
+def model_sender(tensors: dict[str, torch.Tensor], *, transport: str, bucket_bytes: int, verify: bool) -> Sender:
+    return Sender(
+        transport=transport, export=lambda: export_units(tensors), names=lambda: list(tensors),
+        bucket_bytes=bucket_bytes, bucket_timeout_s=CALL_TIMEOUT_S, open_timeout_s=CALL_TIMEOUT_S,
+        http_timeout_s=CALL_TIMEOUT_S, hash_buckets=verify,  # as the controller service sets it
+    )  # fmt: skip
+
+
+class PerTensorSource:
+    """Baseline (b), a WeightSource: per tensor, one `update_weights_from_distributed` POST naming it and one
+    broadcast of its own bytes (a single-tensor flattened bucket is byte-for-byte the tensor: no copy). Sends no
+    checksums, so it runs with verify off."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._clients: list[EngineClient] = []
+        self._transport: DistributedTransport | None = None
+
+    async def exported_names(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    async def open(
+        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
+    ) -> GroupMembership | None:
+        await self.close()
+        self._clients = [EngineClient(e.url, timeout_s=CALL_TIMEOUT_S) for e in engines]
+        transport = DistributedTransport(engines=[EngineTarget(client=c, tp_size=e.tp_size)
+                                                  for c, e in zip(self._clients, engines)])  # fmt: skip
+        bound = await transport.open(membership=membership, timeout_s=CALL_TIMEOUT_S)
+        self._transport = transport
+        return bound
+
+    async def send(
+        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
+    ) -> SendResult:
+        assert self._transport is not None, "open() first"
+        start, num_bytes = time.perf_counter(), 0
+        for name, tensor in self._tensors.items():
+            raw = tensor.reshape(-1).view(torch.uint8)
+            entry = BucketEntry(name=name, shape=tuple(tensor.shape), dtype=tensor.dtype, start=0, end=raw.numel())
+            bucket = FlattenedBucket(buffer=raw, entries=(entry,))
+            await self._transport.send_bucket(bucket, selector=selector, timeout_s=CALL_TIMEOUT_S)
+            num_bytes += raw.numel()
+        return SendResult(num_bytes=num_bytes, num_buckets=len(self._tensors), num_tensors=len(self._tensors),
+                          checksums={}, export_s=0.0, pack_s=0.0, send_s=time.perf_counter() - start)  # fmt: skip
+
+    async def close(self) -> None:
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            await transport.close(timeout_s=CALL_TIMEOUT_S)
+        for client in self._clients:
+            await client.close()
+        self._clients = []
+
+
+# ---- syncs ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """The median sync of a series (by wall time) and what the sampler saw during the measured syncs."""
+
+    report: SyncReport
+    sender_peak_bytes: int = 0  # over the sender's RSS before the series (its buffers live as long as the Sender)
+    engine_peak_bytes: int = 0  # over the RSS the engine had right after it started (its receive buffer persists)
+
+
+def run_syncs(urls: Sequence[str], source, *, transport: str, verify: bool, repeats: int, staged: bool = False,
+              sample_pids: Sequence[int] = (), engine_start_rss: dict[int, int] | None = None) -> Measured:  # fmt: skip
+    async def go() -> Measured:
+        controller = SyncController(
+            engine_urls=urls, source=source, transport=transport, selector_inputs=NO_DRAFT,
+            pause_mode=PauseMode.RETRACT, verify=verify, timeouts=TIMEOUTS, staged=staged,
+            group=GroupSettings(master_address=HOST), show_progress=False,
+        )  # fmt: skip
+        # Sampled from before the first sync: buffers kept between syncs count as the sync's memory too. Free heap
+        # left by earlier measurements goes back to the OS first, so that it neither hides nor inflates the growth.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        sampler = PeakSampler(sample_pids).start() if sample_pids else None
+        await controller.connect()
+        try:
+            await controller.sync()  # warm-up: group set-up, first-touch of buffers
+            reports = [await controller.sync() for _ in range(repeats)]
+        finally:
+            await controller.close()
+            await source.close()
+            peaks = {} if sampler is None else sampler.stop()
+        median = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
+        if sampler is None:
+            return Measured(report=median)
+        sender, *engines = sample_pids
+        start_rss = engine_start_rss or {}
+        engine_peak = max((sampler.peak[p] - start_rss.get(p, sampler.baseline[p]) for p in engines), default=0)
+        return Measured(report=median, sender_peak_bytes=peaks[sender], engine_peak_bytes=engine_peak)
+
+    measured = asyncio.run(go())
+    if not measured.report.committed:
+        raise RuntimeError(f"benchmark sync failed: {measured.report.summary()}")
+    return measured
+
+
+def pause_window_s(report: SyncReport) -> float:
+    p = report.phases
+    return p.pause_s + p.send_s + p.finalize_s + p.verify_s + p.resume_s
+
+
+# ---- baselines outside the engines ----------------------------------------------------------------------------
+
+
+def _ceiling_rank(rank: int, world_size: int, port: int, num_bytes: int, repeats: int, out) -> None:
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=__import__("datetime").timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    buffer = torch.ones(num_bytes, dtype=torch.uint8) if rank == 0 else torch.empty(num_bytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):  # the first one warms the connections up
+        dist.barrier()
+        start = time.perf_counter()
+        dist.broadcast(buffer, src=0)
+        dist.barrier()  # every receiver has the whole buffer
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times[1:]))
+    dist.destroy_process_group()
+
+
+def ceiling_seconds(num_bytes: int, *, world_size: int, repeats: int) -> float:
+    """(d): one gloo broadcast of `num_bytes` contiguous bytes from rank 0 to world_size - 1 processes."""
+    ctx = multiprocessing.get_context("spawn")
+    store = start_store_server(host=HOST, timeout_s=300.0)  # listens on loopback only; outlives the ranks
+    out = ctx.Queue()
+    ranks = [ctx.Process(target=_ceiling_rank, args=(r, world_size, store.port, num_bytes, repeats, out))
+             for r in range(world_size)]  # fmt: skip
+    for p in ranks:
+        p.start()
+    try:
+        return out.get(timeout=600)
+    finally:
+        for p in ranks:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        del store
+
+
+def ray_object_store_seconds(tensors: dict[str, torch.Tensor], *, num_engines: int, repeats: int) -> float:
+    """(c): put the state dict once (numpy views of the bytes), every actor gets it zero-copy and copies it into
+    its preallocated tensors; wall time from the put to the last actor done."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+            self._tensors = {n: torch.empty(s, dtype=d) for n, (s, d) in shapes.items()}
+
+        def load(self, refs: list) -> int:
+            arrays = ray.get(refs[0], timeout=CALL_TIMEOUT_S)
+            for name, array in arrays.items():
+                target = self._tensors[name]
+                target.view(-1).view(torch.uint8).copy_(torch.from_numpy(array))
+            return len(arrays)
+
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+    receivers = [Receiver.remote(shapes) for _ in range(num_engines)]
+    ray.get([r.load.remote([ray.put({})]) for r in receivers], timeout=CALL_TIMEOUT_S)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        ref = ray.put({n: t.reshape(-1).view(torch.uint8).numpy() for n, t in tensors.items()})
+        ray.get([r.load.remote([ref]) for r in receivers], timeout=CALL_TIMEOUT_S)
+        times.append(time.perf_counter() - start)
+        del ref
+    for r in receivers:
+        ray.kill(r)
+    return statistics.median(times[1:])
+
+
+def _pickle_receiver(conn, shapes) -> None:
+    tensors = {n: torch.empty(s, dtype=d) for n, (s, d) in shapes.items()}
+    while (payload := conn.recv_bytes()) != b"":
+        for name, raw in pickle.loads(payload).items():
+            tensors[name].view(-1).view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
+        conn.send_bytes(b"ok")
+
+
+def pickled_copy_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> float:
+    """Colocated baseline: the state dict pickled by value, through a pipe, unpickled and loaded in another process."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+    receiver = ctx.Process(target=_pickle_receiver, args=(child, shapes))
+    receiver.start()
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            parent.send_bytes(pickle.dumps({n: t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                            for n, t in tensors.items()}, protocol=5))  # fmt: skip
+            if not parent.poll(CALL_TIMEOUT_S):
+                raise TimeoutError("pickled-copy receiver did not answer")
+            parent.recv_bytes()
+            times.append(time.perf_counter() - start)
+        parent.send_bytes(b"")
+    finally:
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    return statistics.median(times[1:])
+
+
+def memcpy_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> float:
+    """One copy of every tensor's bytes into a preallocated buffer, in this process."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    out = torch.empty(total, dtype=torch.uint8)
+    out.fill_(0)
+    times = []
+    for _ in range(repeats + 1):
+        start, offset = time.perf_counter(), 0
+        for t in tensors.values():
+            raw = t.reshape(-1).view(torch.uint8)
+            out[offset : offset + raw.numel()].copy_(raw)
+            offset += raw.numel()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+# ---- engines --------------------------------------------------------------------------------------------------
+
+
+class EngineFleet:
+    """`count` reference engines on one checkpoint; stopped on exit."""
+
+    def __init__(self, stack: ExitStack, model_dir: Path, *, count: int, log_dir: Path) -> None:
+        self.launchers = []
+        for _ in range(count):
+            launcher = EngineLauncher(spec=ReferenceEngineSpec(model_dir=str(model_dir)), log_dir=log_dir)
+            stack.callback(launcher.stop)
+            launcher.start()
+            self.launchers.append(launcher)
+        self.start_rss = {pid: rss_bytes(pid) for pid in self.pids}
+
+    def urls(self, count: int | None = None) -> list[str]:
+        return [launcher.url for launcher in self.launchers[:count]]
+
+    @property
+    def pids(self) -> list[int]:
+        return [launcher.pid for launcher in self.launchers]
+
+
+# ---- the run --------------------------------------------------------------------------------------------------
+
+
+def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
+    model_dir = checkpoint_dir(spec, args.cache)
+    tensors = read_safetensors(model_dir / "model.safetensors")
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    num_params = sum(t.numel() for t in tensors.values())
+    num_engines = 4 if is_sweep_model else ENGINES
+    log(f"{spec.name}: {num_params / 1e6:.0f}M params, {len(tensors)} tensors, {num_bytes / MIB:.0f} MiB; "
+        f"starting {num_engines} engines")  # fmt: skip
+    largest_unit = max(u.meta.num_bytes for u in export_units(tensors))
+    row: dict = {"model": spec.name, "params": num_params, "tensors": len(tensors), "bytes": num_bytes,
+                 "largest_unit_bytes": largest_unit}  # fmt: skip
+    r = args.repeats
+    with ExitStack() as stack:
+        fleet = EngineFleet(stack, model_dir, count=num_engines, log_dir=args.log_dir)
+        urls = fleet.urls(ENGINES)
+        pids = [os.getpid(), *fleet.pids[:ENGINES]]
+
+        def ours(transport: str, *, verify: bool, bucket: int = DEFAULT_BUCKET, staged: bool = False,
+                 engine_urls: Sequence[str] = urls, sample: bool = False) -> Measured:  # fmt: skip
+            return run_syncs(engine_urls, model_sender(tensors, transport=transport, bucket_bytes=bucket, verify=verify),
+                             transport=transport, verify=verify, repeats=r, staged=staged,
+                             sample_pids=pids if sample else (), engine_start_rss=fleet.start_rss)  # fmt: skip
+
+        log(f"{spec.name}: (a) miles_sync distributed")
+        verified = ours("distributed", verify=True, sample=True).report
+        unverified = ours("distributed", verify=False).report
+        log(f"  {verified.summary()}")
+        log(f"{spec.name}: (b) per-tensor baseline")
+        per_tensor = run_syncs(urls, PerTensorSource(tensors), transport="distributed", verify=False,
+                               repeats=max(1, r // 2)).report  # fmt: skip
+        log(f"  {per_tensor.summary()}")
+        log(f"{spec.name}: (c) Ray object store, (d) ceiling")
+        ray_s = ray_object_store_seconds(tensors, num_engines=ENGINES, repeats=r)
+        ceiling_s = ceiling_seconds(num_bytes, world_size=ENGINES + 1, repeats=r)
+        log(f"{spec.name}: colocated, pickled copy, memcpy")
+        colocated = ours("colocated", verify=False).report
+        colocated_staged = ours("colocated", verify=False, staged=True).report
+        colocated_verified = ours("colocated", verify=True).report
+        pickled_s = pickled_copy_seconds(tensors, repeats=r)
+        memcpy_s = memcpy_seconds(tensors, repeats=r)
+        staged = ours("distributed", verify=True, staged=True).report
+        row.update(
+            ours_send_gbps=gbps(num_bytes, verified.phases.send_s),
+            ours_end_to_end_gbps=gbps(num_bytes, verified.total_s),
+            ours_total_s=verified.total_s,
+            ours_unverified_total_s=unverified.total_s,
+            ours_buckets=verified.num_buckets,
+            phases=vars(verified.phases) | {"total_s": verified.total_s},
+            per_tensor_total_s=per_tensor.total_s,
+            per_tensor_send_gbps=gbps(num_bytes, per_tensor.phases.send_s),
+            speedup_vs_per_tensor=per_tensor.total_s / unverified.total_s,
+            ray_gbps=gbps(num_bytes, ray_s),
+            ceiling_gbps=gbps(num_bytes, ceiling_s),
+            ratio_vs_ceiling=gbps(num_bytes, verified.phases.send_s) / gbps(num_bytes, ceiling_s),
+            colocated_send_gbps=gbps(num_bytes, colocated.phases.send_s),
+            pickled_copy_gbps=gbps(num_bytes, pickled_s),
+            memcpy_gbps=gbps(num_bytes, memcpy_s),
+            colocated_vs_memcpy=gbps(num_bytes, colocated.phases.send_s) / gbps(num_bytes, memcpy_s),
+            # Staged: packing and hashing ran before the pause, the send phase is the engines' loading only.
+            colocated_verified_send_gbps=gbps(num_bytes, colocated_verified.phases.send_s),
+            colocated_staged_send_gbps=gbps(num_bytes, colocated_staged.phases.send_s),
+            staged_send_gbps=gbps(num_bytes, staged.phases.send_s),
+            pause_fraction_unstaged=pause_window_s(verified) / verified.total_s,
+            pause_fraction_staged=pause_window_s(staged) / staged.total_s,
+            staged_phases=vars(staged.phases) | {"total_s": staged.total_s},
+            staged_extra_bytes=num_bytes,  # stage() holds every packed bucket until the send
+        )
+        if is_sweep_model:
+            row["bucket_sweep"] = []
+            for bucket_mib in args.bucket_sweep:
+                log(f"{spec.name}: bucket {bucket_mib} MiB")
+                m = ours("distributed", verify=True, bucket=bucket_mib * MIB, sample=True)
+                row["bucket_sweep"].append({
+                    "bucket_mib": bucket_mib, "buckets": m.report.num_buckets,
+                    "send_gbps": gbps(num_bytes, m.report.phases.send_s), "total_s": m.report.total_s,
+                    "sender_peak_extra_mib": m.sender_peak_bytes / MIB, "engine_peak_extra_mib": m.engine_peak_bytes / MIB,
+                    "sender_extra_over_bucket": m.sender_peak_bytes / (bucket_mib * MIB),
+                    "engine_extra_over_bucket": m.engine_peak_bytes / (bucket_mib * MIB),
+                })  # fmt: skip
+            row["engine_sweep"] = []
+            for count in range(1, num_engines + 1):
+                log(f"{spec.name}: {count} engine(s)")
+                report = ours("distributed", verify=True, engine_urls=fleet.urls(count)).report
+                row["engine_sweep"].append({
+                    "engines": count, "send_gbps": gbps(num_bytes, report.phases.send_s),
+                    "aggregate_send_gbps": count * gbps(num_bytes, report.phases.send_s),
+                    "total_s": report.total_s, "phases": vars(report.phases),
+                })  # fmt: skip
+    del tensors
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    largest = max(rows, key=lambda row: row["params"])
+    most_tensors = max(rows, key=lambda row: row["tensors"])
+    # Rows where the bucket bounds the buffers: it holds the largest atomic unit (a larger unit travels in a buffer
+    # of its own) and is smaller than the model (else the model, not the bucket, is the unit).
+    sweep = [s for s in largest.get("bucket_sweep", [])
+             if largest["largest_unit_bytes"] <= s["bucket_mib"] * MIB < largest["bytes"]]  # fmt: skip
+    return {
+        "ratio_vs_ceiling": largest["ratio_vs_ceiling"],
+        "end_to_end_gbps": largest["ours_end_to_end_gbps"],
+        "speedup_vs_per_tensor": most_tensors["speedup_vs_per_tensor"],
+        "speedup_model": {"model": most_tensors["model"], "tensors": most_tensors["tensors"]},
+        "colocated_vs_memcpy": largest["colocated_vs_memcpy"],
+        "pause_fraction": largest["pause_fraction_staged"],
+        # Over the sweep rows whose bucket is smaller than the model (else the model, not the bucket, is the unit).
+        "peak_extra_mem_over_bucket": max((s["sender_extra_over_bucket"] for s in sweep), default=float("nan")),
+        "largest_model": largest["model"],
+    }
+
+
+def print_tables(result: dict) -> None:
+    print(f"\nmiles_sync sync benchmark - torch {result['torch']}, ray {result['ray']}, {result['cpu_count']} cores")
+    header = (f"{'model':<16}{'tensors':>8}{'MiB':>7}{'ours GB/s':>10}{'e2e GB/s':>9}{'ceiling':>8}{'vs ceil':>8}"
+              f"{'per-tensor':>11}{'speedup':>8}{'ray GB/s':>9}{'coloc':>7}{'pickle':>7}{'memcpy':>7}{'pause':>7}")
+    print(header)
+    for row in result["models"]:
+        print(f"{row['model']:<16}{row['tensors']:>8}{row['bytes'] / MIB:>7.0f}{row['ours_send_gbps']:>10.2f}"
+              f"{row['ours_end_to_end_gbps']:>9.2f}{row['ceiling_gbps']:>8.2f}{row['ratio_vs_ceiling']:>8.2f}"
+              f"{row['per_tensor_send_gbps']:>11.2f}{row['speedup_vs_per_tensor']:>8.1f}{row['ray_gbps']:>9.2f}"
+              f"{row['colocated_send_gbps']:>7.2f}{row['pickled_copy_gbps']:>7.2f}{row['memcpy_gbps']:>7.2f}"
+              f"{row['pause_fraction_staged']:>7.2f}")  # fmt: skip
+    sweep_row = next(r for r in result["models"] if "bucket_sweep" in r)
+    print(f"\nbucket sweep ({sweep_row['model']}): MiB, buckets, send GB/s, sender extra MiB (x bucket), engine extra MiB")
+    for s in sweep_row["bucket_sweep"]:
+        print(f"  {s['bucket_mib']:>5} {s['buckets']:>4} {s['send_gbps']:>6.2f} {s['sender_peak_extra_mib']:>8.0f} "
+              f"({s['sender_extra_over_bucket']:.2f}x) {s['engine_peak_extra_mib']:>8.0f}")  # fmt: skip
+    print(f"engine sweep ({sweep_row['model']}): engines, send GB/s per engine, aggregate, total s")
+    for s in sweep_row["engine_sweep"]:
+        print(f"  {s['engines']} {s['send_gbps']:>6.2f} {s['aggregate_send_gbps']:>6.2f} {s['total_s']:>6.2f}")
+    print("\nkeys:")
+    for key in ("ratio_vs_ceiling", "end_to_end_gbps", "speedup_vs_per_tensor", "colocated_vs_memcpy",
+                "pause_fraction", "peak_extra_mem_over_bucket"):  # fmt: skip
+        print(f"  {key} = {result[key]:.3f}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = result["models"]
+    sweep_row = next(r for r in rows if "bucket_sweep" in r)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    labels = [r["model"] for r in rows]
+    for key, name in (("ours_send_gbps", "miles_sync (send+load)"), ("per_tensor_send_gbps", "per-tensor"),
+                      ("ray_gbps", "Ray object store"), ("ceiling_gbps", "gloo ceiling")):  # fmt: skip
+        axes[0].plot(labels, [r[key] for r in rows], marker="o", label=name)
+    axes[0].set_ylabel("GB/s")
+    axes[0].set_title("distributed path by model")
+    axes[0].tick_params(axis="x", rotation=30)
+    axes[0].legend()
+    buckets = sweep_row["bucket_sweep"]
+    axes[1].plot([b["bucket_mib"] for b in buckets], [b["send_gbps"] for b in buckets], marker="o", label="send GB/s")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xlabel("bucket MiB")
+    twin = axes[1].twinx()
+    twin.plot([b["bucket_mib"] for b in buckets], [b["sender_peak_extra_mib"] for b in buckets], "r--", marker="s",
+              label="sender peak extra MiB")  # fmt: skip
+    axes[1].set_title(f"bucket sweep ({sweep_row['model']})")
+    axes[1].legend(loc="upper left")
+    twin.legend(loc="lower right")
+    engines = sweep_row["engine_sweep"]
+    axes[2].plot([e["engines"] for e in engines], [e["aggregate_send_gbps"] for e in engines], marker="o")
+    axes[2].set_xlabel("engines")
+    axes[2].set_ylabel("aggregate GB/s delivered")
+    axes[2].set_title("engine sweep")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="models up to ~100M, bucket sweep to 256 MiB")
+    parser.add_argument("--json", type=Path, default=Path("outputs/bench_sync.json"))
+    parser.add_argument("--png", type=Path, default=Path("outputs/bench_sync.png"))
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("MILES_SYNC_CACHE", "~/.cache/miles_sync")))
+    parser.add_argument("--log-dir", type=Path, default=Path("outputs/bench_sync_logs"))
+    parser.add_argument("--repeats", type=int, default=None, help="measured syncs per point (default 3, quick 2)")
+    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(MODELS))
+    args = parser.parse_args(argv)
+    args.cache = args.cache.expanduser()
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
+    args.bucket_sweep = [16, 64, 256] if args.quick else [16, 64, 256, 1024]
+    torch.set_num_threads(1)  # as every engine runs; the sender's copies and hashes run on their own threads
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+    import ray
+
+    from miles_sync.cluster import connect_ray
+    from miles_sync.config import ClusterConfig
+
+    started = time.perf_counter()
+    sweep_model = max(names, key=lambda n: MODELS[n].num_hidden_layers * MODELS[n].hidden_size ** 2 * 12
+                      + MODELS[n].vocab_size * MODELS[n].hidden_size * 2)  # fmt: skip
+    with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
+        rows = [bench_model(MODELS[n], args, is_sweep_model=n == sweep_model) for n in names]
+    result = {
+        **summarize(rows),
+        "quick": args.quick,
+        "repeats": args.repeats,
+        "wall_s": time.perf_counter() - started,
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "models": rows,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    args.png.parent.mkdir(parents=True, exist_ok=True)
+    plot(result, args.png)
+    print_tables(result)
+    print(f"\nwrote {args.json} and {args.png} in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
