@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -265,6 +266,8 @@ def ray_object_store_seconds(tensors: dict[str, torch.Tensor], *, num_engines: i
 
 
 def _pickle_receiver(conn, shapes) -> None:
+    # The unpickled bytes are read-only and are only read from here: torch's warning about that does not apply.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
     tensors = {n: torch.empty(s, dtype=d) for n, (s, d) in shapes.items()}
     while (payload := conn.recv_bytes()) != b"":
         for name, raw in pickle.loads(payload).items():

@@ -428,7 +428,7 @@ class Sender:
         return SendResult(
             num_bytes=totals.num_bytes,
             num_buckets=totals.num_buckets,
-            num_tensors=len(totals.checksums),
+            num_tensors=totals.num_tensors,
             checksums=totals.checksums,
             export_s=stream.export_s,
             pack_s=stream.pack_s,
@@ -490,6 +490,7 @@ class _Totals:
     def __init__(self) -> None:
         self.num_bytes = 0
         self.num_buckets = 0
+        self.num_tensors = 0
         self.checksums: dict[str, str] = {}
 
     def add(
@@ -503,6 +504,7 @@ class _Totals:
         self.checksums.update(checksums)
         self.num_bytes += packed.bucket.num_bytes
         self.num_buckets += 1
+        self.num_tensors += len(packed.bucket.entries)
         if on_bucket is not None:
             on_bucket(
                 BucketProgress(

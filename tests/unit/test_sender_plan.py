@@ -281,7 +281,7 @@ def recording(monkeypatch):
     return RecordingTransport
 
 
-def make_sender(units, *, transport="recording", bucket_bytes=400, on_pull=None) -> Sender:
+def make_sender(units, *, transport="recording", bucket_bytes=400, on_pull=None, hash_buckets=True) -> Sender:
     def export():
         for u in units:
             if on_pull is not None:
@@ -291,6 +291,7 @@ def make_sender(units, *, transport="recording", bucket_bytes=400, on_pull=None)
     return Sender(
         transport=transport, export=export, names=lambda: [m.name for u in units for m in u.meta.tensors],
         bucket_bytes=bucket_bytes, bucket_timeout_s=5.0, open_timeout_s=5.0, http_timeout_s=5.0,
+        hash_buckets=hash_buckets,
     )  # fmt: skip
 
 
@@ -335,6 +336,37 @@ def test_sender_packs_ahead_and_reports_exact_checksums(recording):
     assert result.num_bytes == sum(u.meta.num_bytes for u in units)
     assert [p.index for p in progress] == list(range(len(plans)))
     assert progress[-1].total_bytes == result.num_bytes
+
+
+@pytest.mark.parametrize("hash_buckets", [True, False])
+def test_staged_and_live_sends_deliver_the_same_bytes_and_counts(recording, hash_buckets):
+    units = model_units()
+    originals = {name: t for u in units for name, t in u.named()}
+    sender = make_sender(units, bucket_bytes=160, hash_buckets=hash_buckets)
+
+    async def main():
+        await sender.open(engines=ENGINES, membership=None)
+        live = await sender.send(selector=Selector.TARGET)
+        staged_result = await sender.stage()
+        staged = await sender.send(selector=Selector.TARGET)
+        await sender.close()
+        return live, staged_result, staged
+
+    live, stage_result, staged = asyncio.run(main())
+    assert stage_result.num_buckets == staged.num_buckets == live.num_buckets >= 4
+    for result in (live, staged):
+        assert result.num_tensors == len(originals)
+        assert result.num_bytes == sum(u.meta.num_bytes for u in units)
+        # With hashing off nothing is claimed: the session then has no checksums to compare (see Sender's docstring).
+        expected = {name: tensor_checksum(t) for name, t in originals.items()} if hash_buckets else {}
+        assert result.checksums == expected
+    received = recording.instances[0].received
+    assert len(received) == 2 * live.num_buckets
+    for bucket_live, bucket_staged in zip(received[: live.num_buckets], received[live.num_buckets :], strict=True):
+        assert bucket_live.keys() == bucket_staged.keys()
+        for name in bucket_live:
+            assert torch.equal(bucket_live[name].view(torch.uint8), bucket_staged[name].view(torch.uint8)), name
+            assert torch.equal(bucket_live[name].view(torch.uint8), originals[name].contiguous().view(torch.uint8))
 
 
 def test_sender_drains_the_stream_after_a_failed_bucket(recording, monkeypatch):
