@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
 from miles_sync.lease import LeaseLostError, SyncLease
-from miles_sync.protocol import DEFAULT_GROUP_NAME, PauseMode
+from miles_sync.protocol import DEFAULT_GROUP_NAME, DestroyWeightsUpdateGroupRequest, PauseMode
 from miles_sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sender import WeightSource
 from miles_sync.session import SelectorInputs, SessionTimeouts, run_sync_session
@@ -112,6 +113,10 @@ class SyncController:
         self._membership: GroupMembership | None = None
         self._is_open = False
         self._generation = 0
+        # Group names are unique per controller and generation: a group that a dead source rank (or a dead earlier
+        # controller) left on an engine can never collide with this controller's next one.
+        self._group_token = uuid.uuid4().hex[:8]
+        self._group_name: str | None = None  # the engines' side of this group may exist until it is destroyed
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -239,6 +244,8 @@ class SyncController:
                     except LeaseLostError as exc:
                         report = replace(report, committed=False, error=f"not committed: {exc}")
             self._record(report)
+            if not report.committed:
+                await self._destroy_engine_groups()  # the session already closed the source's side, if it could
         if not report.committed:
             raise SyncError(report)
         return report
@@ -252,7 +259,8 @@ class SyncController:
         membership = None
         if self._spec.needs_update_group:
             # A fresh name per generation: an engine that missed the last teardown still has the old group.
-            name = self._group.name if self._generation == 0 else f"{self._group.name}_{self._generation}"
+            name = f"{self._group.name}_{self._group_token}_{self._generation}"
+            self._group_name = name
             membership = plan_membership(
                 engines=endpoints,
                 group_name=name,
@@ -267,6 +275,7 @@ class SyncController:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._source.close(), timeout=self._timeouts.control_s)
+            await self._destroy_engine_groups()
             return self._failed_before_session(
                 version,
                 error=f"transport set-up failed: {str(exc) or type(exc).__name__}",
@@ -280,6 +289,24 @@ class SyncController:
         self._membership = None
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._source.close(), timeout=self._timeouts.sync_s)
+        await self._destroy_engine_groups()
+
+    async def _destroy_engine_groups(self) -> None:
+        """Ask every engine to destroy its side of the current group. The source rank's transport does this when
+        it closes, but a source rank that died (or whose close timed out) cannot: without this the engines would
+        hold the group's sockets and threads for the rest of their life. An engine that has no such group, or is
+        dead, refuses; that is the expected answer after a clean close and is ignored."""
+        name, self._group_name = self._group_name, None
+        if name is None:
+            return
+        request = DestroyWeightsUpdateGroupRequest(group_name=name)
+        await asyncio.gather(
+            *(
+                c.destroy_weights_update_group(request, timeout_s=self._timeouts.control_s)
+                for c in self._clients.values()
+            ),
+            return_exceptions=True,
+        )
 
     def _record(self, report: SyncReport) -> None:
         for engine in report.engines:

@@ -1,0 +1,529 @@
+"""Fault drills on the Ray fleet (2 trainer ranks at TP=2, 2 reference engines), one fault per test:
+
+- an engine killed before the sync starts;
+- an engine killed after every bucket was broadcast and acknowledged, before finalize and verify;
+- the trainer's source rank killed mid-sync (the trainer group is then re-created);
+- an engine SIGSTOPped mid-sync past the HTTP timeout, then SIGCONTed;
+- a rendezvous that never completes (a member that takes the init call but never joins).
+
+Each failed sync must end within its configured timeout (plus the bounded teardown), leave the version where it
+was, let no engine answer from partial weights (its checksum equals the committed one, or it refuses generation),
+and the next sync must commit with every engine verified. The engine killed during a broadcast is covered in
+test_sync_fleet.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import ray
+from aiohttp import web
+from ray_fleet import RAY_TIMEOUT_S, current_urls, local_ray, prompts, target_checksum, train_batch
+
+from actors.controller import create_controller
+from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
+from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
+from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, Transport
+from miles_sync.embedding import attached_source
+from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient, EngineError
+from miles_sync.engine.launcher import ReferenceEngineSpec, generate_samples
+from miles_sync.layout import WeightLayout
+from miles_sync.placement import PlacedGroups, create_placement_groups, plan_placement
+from miles_sync.protocol import DestroyWeightsUpdateGroupRequest, SamplingParams
+from miles_sync.report import SyncProgress, SyncReport
+from miles_sync.selector import DraftKind
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+MODEL = ModelConfig(arch="qwen3", speculative_algorithm="NEXTN", num_trained_mtp_layers=0)
+TRAINER = TrainerConfig(tp=2, lr=1e-4)
+ENGINE_COLLECTIVE_TIMEOUT_S = 10.0
+# Small timeouts, so that every fault ends quickly; several buckets per sync, as a real model has many.
+FAULT_SYNC = SyncConfig(
+    transport=Transport.DISTRIBUTED, bucket_bytes=256 * 1024, http_timeout_s=4.0, collective_timeout_s=8.0,
+    sync_timeout_s=40.0,
+)  # fmt: skip
+# After its deadline a failed session still tears down: source close, end, checksum read, quarantine, resume, each
+# one engine call bounded by the HTTP timeout. The slack is for a shared 2-core machine.
+TEARDOWN_CALLS = 5
+SLACK_S = 10.0
+FAILED_SYNC_BOUND_S = FAULT_SYNC.sync_timeout_s + TEARDOWN_CALLS * FAULT_SYNC.http_timeout_s + SLACK_S
+
+
+@dataclass
+class Fleet:
+    """The fleet under test. `trainers` is replaced when a test re-creates the trainer group."""
+
+    placed: PlacedGroups
+    engines: EngineGroup
+    trainers: TrainerGroup
+    checkpoint_dir: str
+
+    @property
+    def source_rank(self) -> int:
+        (rank,) = [info.rank for info in self.trainers.ranks if info.is_source]
+        return rank
+
+    @property
+    def source(self) -> Any:
+        return self.trainers.actors[self.source_rank]
+
+    @property
+    def num_tensors(self) -> int:
+        return self.trainers.ranks[0].num_exported_tensors
+
+
+@pytest.fixture(scope="module")
+def fleet(reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
+    target = str(reference_checkpoints / "target")
+    plan = plan_placement(
+        layout="colocated", num_trainers=2, num_engines=2,
+        trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
+    )  # fmt: skip
+    spec = ReferenceEngineSpec(
+        model_dir=target, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER,
+        collective_timeout_s=ENGINE_COLLECTIVE_TIMEOUT_S,
+    )  # fmt: skip
+    with local_ray(num_cpus=2), ExitStack() as stack:
+        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix="faults")
+        stack.callback(placed.remove)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            engines_future = pool.submit(
+                create_engines, specs=[spec, spec], log_dir=tmp_path_factory.mktemp("engines"), placement=placed
+            )
+            trainers_future = pool.submit(create_trainers, trainer=TRAINER, checkpoint_dir=target, placement=placed)
+            engines, trainers = engines_future.result(), trainers_future.result()
+        stack.callback(engines.shutdown)
+        fleet = Fleet(placed=placed, engines=engines, trainers=trainers, checkpoint_dir=target)
+        stack.callback(lambda: fleet.trainers.shutdown())  # whichever trainer group is current at the end
+        yield fleet
+
+
+@contextlib.contextmanager
+def controller_for(fleet: Fleet, *, extra_urls: Sequence[str] = ()) -> Iterator[Any]:
+    urls = [*current_urls(fleet.engines.actors), *extra_urls]
+    handle = create_controller(trainers=fleet.trainers.actors, engine_urls=urls, sync=FAULT_SYNC, model=MODEL)
+    try:
+        yield handle
+    finally:
+        ray.get(handle.close.remote(), timeout=RAY_TIMEOUT_S)
+        ray.kill(handle)
+
+
+def call(controller, method: str, *args: Any, **kwargs: Any) -> Any:
+    return ray.get(getattr(controller, method).remote(*args, **kwargs), timeout=RAY_TIMEOUT_S)
+
+
+# ---- the committed state, and what must hold after a failure ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Committed:
+    version: str
+    checksum: str  # every engine's target checksum at that version
+    num_buckets: int
+
+
+def commit_then_train(fleet: Fleet, controller, *, round_index: int) -> Committed:
+    """Commit a sync, then take one training step, so that the next sync's weights differ from the committed ones
+    (an engine that received any of them is then told apart by its checksum)."""
+    report = call(controller, "sync")
+    assert report.committed, report.summary()
+    checksums = {target_checksum(u) for u in current_urls(fleet.engines.actors)}
+    assert len(checksums) == 1, checksums
+    samples = [s for url in current_urls(fleet.engines.actors) for s in generated(url, round_index=round_index)]
+    fleet.trainers.train_step(train_batch(samples), timeout_s=RAY_TIMEOUT_S)
+    return Committed(version=report.version, checksum=checksums.pop(), num_buckets=report.num_buckets)
+
+
+def generated(url: str, *, round_index: int) -> tuple:
+    async def run() -> tuple:
+        async with EngineClient(url, timeout_s=60.0) as client:
+            return await generate_samples(client, prompts(round_index), sampling=GREEDY)
+
+    return asyncio.run(run())
+
+
+def timed_sync(controller) -> tuple[SyncReport, float]:
+    """One sync expected to fail: its report, and the seconds it took (asserted within the failed-sync bound)."""
+    start = time.monotonic()
+    report = ray.get(controller.sync.remote(raise_on_failure=False), timeout=FAILED_SYNC_BOUND_S + 60.0)
+    elapsed = time.monotonic() - start
+    assert not report.committed and report.error, report.summary()
+    assert elapsed < FAILED_SYNC_BOUND_S, f"the failed sync took {elapsed:.1f} s (bound {FAILED_SYNC_BOUND_S} s)"
+    print(f"failed sync after {elapsed:.2f} s: {report.error[:400]}")
+    return report, elapsed
+
+
+def assert_version_kept(controller, committed: Committed) -> None:
+    assert call(controller, "version") == int(committed.version)
+    assert call(controller, "weight_version") == committed.version
+
+
+def assert_no_partial_weights(controller, urls: Sequence[str], committed: Committed, *, round_index: int) -> list[str]:
+    """Every engine in `urls` (all alive) either holds the committed weights and generates under the committed
+    version, or refuses generation; the controller routes no traffic to the latter. Returns the former."""
+    serving = set(call(controller, "serving_engines"))
+    intact = []
+    for url in urls:
+        if target_checksum(url) == committed.checksum:
+            assert {s.weight_version for s in generated(url, round_index=round_index)} == {committed.version}
+            intact.append(url)
+            continue
+        with pytest.raises(EngineError) as refused:
+            generated(url, round_index=round_index)
+        assert refused.value.status == 503 and "refused" in refused.value.message, refused.value
+        assert url not in serving, f"{url} holds uncommitted weights but the controller still routes to it"
+    return intact
+
+
+def restart_engines(fleet: Fleet, controller, indices: Sequence[int], old_urls: Sequence[str]) -> list[str]:
+    """Restart the killed engines and hand their new URLs to the controller; until a sync succeeds on them they
+    must not take generation traffic (a replacement serves checkpoint weights)."""
+    new_urls = ray.get([fleet.engines.actors[i].restart.remote() for i in indices], timeout=RAY_TIMEOUT_S)
+    for old, new in zip(old_urls, new_urls):
+        call(controller, "replace_engine", old, new)
+    stale, serving = call(controller, "stale_engines"), call(controller, "serving_engines")
+    assert all(u in stale and u not in serving for u in new_urls), (new_urls, stale, serving)
+    return new_urls
+
+
+def assert_full_sync(fleet: Fleet, controller, committed: Committed, *, round_index: int) -> SyncReport:
+    """The next sync commits a newer version on every engine, each verified tensor by tensor, and every engine
+    then serves it."""
+    report = call(controller, "sync")
+    assert report.committed, report.summary()
+    assert int(report.version) > int(committed.version)
+    urls = current_urls(fleet.engines.actors)
+    assert [e.url for e in report.engines] == list(urls)
+    for engine in report.engines:
+        assert engine.success and not engine.is_stale, engine
+        assert engine.num_verified_tensors == fleet.num_tensors, engine
+        assert engine.weight_version == report.version, engine
+    assert call(controller, "weight_version") == report.version
+    assert call(controller, "serving_engines") == urls and call(controller, "stale_engines") == ()
+    assert len({target_checksum(u) for u in urls}) == 1
+    for url in urls:
+        assert {s.weight_version for s in generated(url, round_index=round_index)} == {report.version}
+    return report
+
+
+# ---- unit listeners: closures, so that Ray ships them by value (this module is not importable in an actor) -----
+
+
+def clear_listeners(actors: Sequence[Any]) -> None:
+    ray.get([a.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()) for a in actors], timeout=60)
+
+
+def record_units(path: str):
+    """Write the number of units a send exported so far to `path`."""
+
+    def arm(actor):
+        def record(index: int) -> None:
+            Path(path).write_text(str(index + 1))
+
+        attached_source().add_unit_listener(record)
+
+    return arm
+
+
+def kill_engine_after_send(*, last_index: int, num_buckets: int, wait_s: float):
+    """For a non-source rank: after its last unit, wait until the source rank has every bucket acknowledged by
+    every engine, then SIGKILL the victim engine. The controller's send phase waits for this rank too, so the
+    victim dies after the whole broadcast and before end_weight_update."""
+
+    def arm(actor, source, victim):
+        def num_acknowledged(actor) -> int:
+            return len(attached_source().progress())
+
+        def kill_after_send(index: int) -> None:
+            if index != last_index:
+                return
+            deadline = time.monotonic() + wait_s
+            while ray.get(source.__ray_call__.remote(num_acknowledged), timeout=wait_s) < num_buckets:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the source acknowledged fewer than {num_buckets} buckets in {wait_s} s")
+                time.sleep(0.05)
+            ray.get(victim.kill.remote(), timeout=60)
+
+        attached_source().add_unit_listener(kill_after_send)
+
+    return arm
+
+
+def hold_export_after_first_bucket(hold_s: float):
+    """For the source rank: once a bucket was acknowledged, hold the export (the driver kills the rank meanwhile)."""
+
+    def arm(actor):
+        source, held = attached_source(), []
+
+        def hold(index: int) -> None:
+            if not held and source.progress():
+                held.append(index)
+                time.sleep(hold_s)
+
+        source.add_unit_listener(hold)
+
+    return arm
+
+
+def stop_engine_after_first_bucket(pgid: int):
+    """For the source rank: once a bucket was acknowledged, SIGSTOP the victim engine's process group."""
+
+    def arm(actor):
+        source, fired = attached_source(), []
+
+        def stop(index: int) -> None:
+            if not fired and source.progress():
+                fired.append(index)
+                os.killpg(pgid, signal.SIGSTOP)
+
+        source.add_unit_listener(stop)
+
+    return arm
+
+
+# ---- the tests --------------------------------------------------------------------------------------------------
+
+
+def test_engine_killed_before_the_sync(fleet):
+    victim, survivor = fleet.engines.actors
+    with controller_for(fleet) as controller:
+        victim_url, survivor_url = current_urls(fleet.engines.actors)
+        committed = commit_then_train(fleet, controller, round_index=1)
+        ray.get(victim.kill.remote(), timeout=60)
+
+        failed, _ = timed_sync(controller)
+        assert victim_url in failed.error
+        assert_version_kept(controller, committed)
+        # Nothing was sent: the survivor keeps serving the committed weights, and stays in rotation.
+        assert assert_no_partial_weights(controller, [survivor_url], committed, round_index=2) == [survivor_url]
+        assert survivor_url in call(controller, "serving_engines")
+
+        restart_engines(fleet, controller, [0], [victim_url])
+        report = assert_full_sync(fleet, controller, committed, round_index=3)
+        assert target_checksum(survivor_url) != committed.checksum  # the trained weights arrived
+        assert report.num_buckets == committed.num_buckets
+
+
+def test_engine_killed_after_the_broadcast_before_finalize(fleet, tmp_path):
+    victim = fleet.engines.actors[0]
+    other = fleet.trainers.actors[1 - fleet.source_rank]
+    with controller_for(fleet) as controller:
+        victim_url, survivor_url = current_urls(fleet.engines.actors)
+        units_file = tmp_path / "units"
+        ray.get(other.__ray_call__.remote(record_units(str(units_file))), timeout=60)
+        try:
+            committed = commit_then_train(fleet, controller, round_index=4)
+        finally:
+            clear_listeners([other])
+        num_units = int(units_file.read_text())
+        arm = kill_engine_after_send(last_index=num_units - 1, num_buckets=committed.num_buckets, wait_s=30.0)
+        ray.get(other.__ray_call__.remote(arm, fleet.source, victim), timeout=60)
+        try:
+            failed, _ = timed_sync(controller)
+        finally:
+            clear_listeners([other])
+        assert not ray.get(victim.is_running.remote(), timeout=60)
+        # Every bucket had reached every engine; the first step after the send failed, on the victim only.
+        progress = call(controller, "progress")
+        assert progress.version == failed.version and len(progress.buckets) == committed.num_buckets
+        assert failed.error.startswith("end failed on 1 of 2 engine(s)") and victim_url in failed.error, failed.error
+        assert_version_kept(controller, committed)
+        # The survivor finalized the whole unverified version: it must refuse generation, not serve it as the old.
+        assert assert_no_partial_weights(controller, [survivor_url], committed, round_index=5) == []
+
+        restart_engines(fleet, controller, [0], [victim_url])
+        assert_full_sync(fleet, controller, committed, round_index=6)
+
+
+def test_source_rank_killed_mid_sync(fleet):
+    urls = list(current_urls(fleet.engines.actors))
+    source_rank = fleet.source_rank
+    with controller_for(fleet) as controller:
+        committed = commit_then_train(fleet, controller, round_index=7)
+        ray.get(fleet.source.__ray_call__.remote(hold_export_after_first_bucket(60.0)), timeout=60)
+        start = time.monotonic()
+        ref = controller.sync.remote(raise_on_failure=False)
+        try:
+            while not has_acknowledged_a_bucket(call(controller, "progress"), after=committed):
+                assert not ray.wait([ref], timeout=0.05)[0], "the sync ended before its first bucket was acknowledged"
+                assert time.monotonic() - start < FAULT_SYNC.sync_timeout_s, "no bucket was acknowledged"
+        except BaseException:
+            clear_listeners([fleet.source])  # the rank lives on: later syncs must not be held
+            raise
+        ray.kill(fleet.source, no_restart=True)
+        failed = ray.get(ref, timeout=FAILED_SYNC_BOUND_S + 60.0)
+        elapsed = time.monotonic() - start
+        assert elapsed < FAILED_SYNC_BOUND_S, f"the failed sync took {elapsed:.1f} s"
+        print(f"failed sync after {elapsed:.2f} s: {failed.error[:400]}")
+        assert not failed.committed and f"trainer {source_rank}:" in failed.error, failed.summary()
+        assert_version_kept(controller, committed)
+        # Both engines took the first bucket(s) of the new weights: they must refuse generation.
+        assert assert_no_partial_weights(controller, urls, committed, round_index=8) == []
+        # The dead rank could not tear its group down: the controller destroyed the engines' side itself.
+        assert {url: held_update_groups(url) for url in urls} == {url: [] for url in urls}
+
+    # The controller keeps its trainer handles for life: recovery is a new trainer group and a new controller.
+    fleet.trainers.shutdown(timeout_s=30.0)
+    fleet.trainers = create_trainers(trainer=TRAINER, checkpoint_dir=fleet.checkpoint_dir, placement=fleet.placed)
+    with controller_for(fleet) as controller:
+        assert_full_sync(fleet, controller, committed, round_index=9)
+
+
+def held_update_groups(url: str) -> list[str]:
+    """The update groups an engine holds, read from its refusal to destroy a group that cannot exist (the
+    engine lists the groups it has in that message; there is no read-only endpoint for them)."""
+
+    async def ask() -> str:
+        async with EngineClient(url, timeout_s=30.0) as client:
+            try:
+                await client.destroy_weights_update_group(DestroyWeightsUpdateGroupRequest(group_name="no-such-group"))
+            except EngineError as exc:
+                return str(exc)
+        raise AssertionError(f"{url} destroyed a group named 'no-such-group'")
+
+    message = asyncio.run(ask())
+    found = re.search(r"groups: \[(.*?)\]", message)
+    assert found is not None, message
+    return re.findall(r"'([^']*)'", found.group(1))
+
+
+def has_acknowledged_a_bucket(progress: SyncProgress | None, *, after: Committed) -> bool:
+    # Until the new sync starts, `progress` still shows the committed sync's buckets.
+    return progress is not None and progress.version != after.version and bool(progress.buckets)
+
+
+def test_engine_stopped_past_the_http_timeout(fleet):
+    victim = fleet.engines.actors[0]
+    with controller_for(fleet) as controller:
+        urls = list(current_urls(fleet.engines.actors))
+        committed = commit_then_train(fleet, controller, round_index=10)
+        pgid = ray.get(victim.pid.remote(), timeout=60)  # the server leads its own process group
+        ray.get(fleet.source.__ray_call__.remote(stop_engine_after_first_bucket(pgid)), timeout=60)
+        try:
+            failed, _ = timed_sync(controller)
+        finally:
+            clear_listeners([fleet.source])
+            os.killpg(pgid, signal.SIGCONT)
+        assert urls[0] in failed.error and "no answer" in failed.error, failed.error
+        assert_version_kept(controller, committed)
+        wait_until_resumed(urls[0], timeout_s=60.0)
+        # Both engines took the first bucket(s) of the new weights: each refuses generation.
+        assert assert_no_partial_weights(controller, urls, committed, round_index=11) == []
+        assert call(controller, "serving_engines") == ()
+
+        assert_full_sync(fleet, controller, committed, round_index=12)  # the same engine, no restart
+
+
+def wait_until_resumed(url: str, *, timeout_s: float) -> None:
+    """Wait until the continued engine has worked through the calls it missed while stopped: the session's resume
+    is the last of them, so it answers unpaused."""
+
+    async def run() -> None:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(url + "/get_server_info") as response:
+                        info = await response.json()
+                    if not info["internal_states"][0]["is_paused"]:
+                        return
+                assert time.monotonic() < deadline, f"{url} still paused {timeout_s} s after SIGCONT"
+                await asyncio.sleep(0.2)
+
+    asyncio.run(run())
+
+
+@dataclass
+class SilentMember:
+    """An engine endpoint that passes the controller's probes and takes /init_weights_update_group, but never
+    joins the group (its handler waits until the server closes)."""
+
+    url: str
+    init_requests: list[dict] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def silent_member(*, weight_version: str) -> Iterator[SilentMember]:
+    loop = asyncio.new_event_loop()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    member = SilentMember(url=f"http://127.0.0.1:{sock.getsockname()[1]}")
+    closing = asyncio.Event()
+
+    async def init(request: web.Request) -> web.Response:
+        member.init_requests.append(await request.json())
+        await closing.wait()
+        return web.json_response({"success": False, "message": "closing"}, status=400)
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"tp_size": 1})
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "silent", "weight_version": weight_version})
+
+    async def destroy(request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "message": "nothing to destroy"})
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"success": False, "message": "not in this test"}, status=400)
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/get_server_info", server_info)
+        app.router.add_get("/model_info", model_info)
+        app.router.add_post("/init_weights_update_group", init)
+        app.router.add_post("/destroy_weights_update_group", destroy)
+        for path in (*CONTROL_ENDPOINTS, "/update_weights_from_distributed"):
+            app.router.add_post(path, refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        return runner
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield member
+    finally:
+        loop.call_soon_threadsafe(closing.set)
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        sock.close()
+
+
+def test_rendezvous_that_never_completes(fleet):
+    urls = list(current_urls(fleet.engines.actors))
+    with controller_for(fleet) as controller:
+        committed = commit_then_train(fleet, controller, round_index=13)
+    with silent_member(weight_version=committed.version) as member:
+        with controller_for(fleet, extra_urls=[member.url]) as controller:
+            failed, _ = timed_sync(controller)
+            assert "did not rendezvous" in failed.error and member.url in failed.error, failed.error
+            assert failed.phases.pause_s == 0.0  # it failed while opening the group: no engine was paused
+            assert_version_kept(controller, committed)
+            # The member was counted in the group and asked to join, but never did.
+            assert [(r["rank_offset"], r["world_size"]) for r in member.init_requests] == [(3, 4)]
+            assert assert_no_partial_weights(controller, urls, committed, round_index=14) == urls
+            assert set(call(controller, "serving_engines")) >= set(urls)
+    with controller_for(fleet) as controller:  # the next sync, with the real engines only
+        assert_full_sync(fleet, controller, committed, round_index=15)
