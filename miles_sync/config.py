@@ -110,7 +110,7 @@ class EngineConfig:
     finalize_policy: FinalizePolicy = FinalizePolicy.STRICT
     draft_kind: DraftKind = DraftKind.MTP
     spec_steps: int = 3  # draft tokens proposed per verify step; used only with a draft
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
 
     def __post_init__(self) -> None:
         problems = []

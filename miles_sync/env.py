@@ -6,9 +6,12 @@ Addresses default to loopback: nothing in miles_sync binds a public interface un
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PREFIX = "MILES_SYNC_"
+# The reference engine's API key travels to the server process in its environment, not on its command line: any
+# local user can read a command line (/proc/PID/cmdline), only the owner can read an environment.
+ENGINE_API_KEY_VARIABLE = PREFIX + "ENGINE_API_KEY"
 
 
 def _read_str(name: str, default: str) -> str:
@@ -34,6 +37,7 @@ class Environment:
     http_timeout_s: float
     collective_timeout_s: float
     cache_dir: str  # generated reference checkpoints and other reusable artifacts
+    engine_api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr
 
 
 def read_environment() -> Environment:
@@ -42,4 +46,5 @@ def read_environment() -> Environment:
         http_timeout_s=_read_float("HTTP_TIMEOUT_S", 60.0),
         collective_timeout_s=_read_float("COLLECTIVE_TIMEOUT_S", 120.0),
         cache_dir=os.path.expanduser(_read_str("CACHE_DIR", "~/.cache/miles_sync")),
+        engine_api_key=os.environ.get(ENGINE_API_KEY_VARIABLE),
     )

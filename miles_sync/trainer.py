@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -56,7 +56,7 @@ class SenderSettings:
     open_timeout_s: float
     http_timeout_s: float
     call_timeout_s: float
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     device: str = "cpu"
     hash_buckets: bool = True  # checksums of what was sent: verification needs them (see Sender)
 

@@ -230,8 +230,13 @@ class EngineClient:
     ) -> None:
         await self._weight_call("/update_weights_from_tensor", request, timeout_s=timeout_s)
 
-    async def update_weight_version(self, new_version: str, *, timeout_s: float | None = None) -> None:
-        request = UpdateWeightVersionRequest(new_version=new_version)
+    async def update_weight_version(
+        self, new_version: str, *, abort_all_requests: bool = False, timeout_s: float | None = None
+    ) -> None:
+        """Tag the engine's weights with `new_version`. `abort_all_requests` is False here, unlike the endpoint's
+        default: a sync has already handled in-flight requests by its pause mode, and aborting at this point would
+        throw away every request a retract pause kept queued (and every one that arrived during the pause)."""
+        request = UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests)
         result = await self._control("/update_weight_version", request, WeightVersionResult, timeout_s=timeout_s)
         self._check_success("/update_weight_version", result.success, result.message)
 

@@ -28,11 +28,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_sync.config import EngineConfig, EngineKind, FinalizePolicy
 from miles_sync.engine.client import EngineClient
+from miles_sync.env import ENGINE_API_KEY_VARIABLE
 from miles_sync.layout import WeightLayout
 from miles_sync.protocol import GenerateRequest, SamplingParams
 from miles_sync.selector import DraftKind
@@ -65,6 +66,7 @@ class LaunchCommand:
 
     argv: tuple[str, ...]
     url: str | None
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the server's environment; secrets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +82,7 @@ class ReferenceEngineSpec:
     is_draft_frozen: bool = False
     num_threads: int | None = 1  # torch intra-op threads of the server; None: torch's default
     collective_timeout_s: float | None = None  # None: the server's default (MILES_SYNC_COLLECTIVE_TIMEOUT_S)
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
 
     def __post_init__(self) -> None:
         problems = []
@@ -113,9 +115,8 @@ class ReferenceEngineSpec:
             argv += ["--threads", str(self.num_threads)]
         if self.collective_timeout_s is not None:
             argv += ["--collective-timeout-s", str(self.collective_timeout_s)]
-        if self.api_key is not None:
-            argv += ["--api-key", self.api_key]
-        return LaunchCommand(argv=tuple(argv), url=None)
+        secrets = {} if self.api_key is None else {ENGINE_API_KEY_VARIABLE: self.api_key}
+        return LaunchCommand(argv=tuple(argv), url=None, env=secrets)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +126,7 @@ class SGLangEngineSpec:
     model_path: str
     tp_size: int = 1
     extra_args: tuple[str, ...] = ()
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -138,7 +139,7 @@ class SGLangEngineSpec:
             "--model-path", self.model_path, "--host", host, "--port", str(port), "--tp-size", str(self.tp_size),
             *self.extra_args,
         ]  # fmt: skip
-        if self.api_key is not None:
+        if self.api_key is not None:  # SGLang reads its key from the command line only
             argv += ["--api-key", self.api_key]
         return LaunchCommand(argv=tuple(argv), url=f"http://{_url_host(host)}:{port}")
 
@@ -200,6 +201,7 @@ class EngineLauncher:
         self._startup_timeout_s = startup_timeout_s
         self._stop_timeout_s = stop_timeout_s
         self._env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if env is None else dict(env))}
+        self._env.pop(ENGINE_API_KEY_VARIABLE, None)  # only the spec decides whether the server wants a key
         self._process: subprocess.Popen | None = None
         self._url: str | None = None
         self._log_path: Path | None = None
@@ -235,7 +237,8 @@ class EngineLauncher:
         with open(self._log_path, "w") as log:
             # Own session: signals to the server's group reach every process it spawned (SGLang's workers).
             self._process = subprocess.Popen(
-                command.argv, stdout=subprocess.PIPE, stderr=log, text=True, env=self._env, start_new_session=True
+                command.argv, stdout=subprocess.PIPE, stderr=log, text=True, env={**self._env, **command.env},
+                start_new_session=True,
             )
         try:
             self._url = command.url if command.url is not None else self._read_url(deadline)

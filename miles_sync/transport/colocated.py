@@ -4,7 +4,7 @@ The engine maps the handle (CPU shared memory here, CUDA IPC on GPU), copies wha
 the source's buffer must stay alive and untouched, so `send_bucket` returns only after every engine answered. Each
 TP rank gets its own encoded payload: a payload carries one pending reference to the shared segment, released when
 that one receiver opens it, so one payload decoded twice would drop the source's own reference. The segment is
-released when the source drops the buffer (the sender allocates its buffers per sync).
+released when the source drops the buffer (the sender keeps its two CPU pack buffers until it closes).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -93,6 +93,25 @@ class _Session:
 
     def has_loaded(self) -> bool:
         return any(runner.loaded_in_session() for runner in self.runners)
+
+
+class _AllocationError(Exception):
+    """The receive buffer a payload claims cannot be allocated; raised before anything is received."""
+
+
+_MAX_TENSOR_BYTES = 2**63 - 1  # torch sizes are int64
+
+
+def _allocate(make: Callable[[], torch.Tensor], num_bytes: int) -> torch.Tensor:
+    """`make()`, with a claimed size past int64 or the host's memory reported as a refusal, not a crash (torch
+    raises TypeError, RuntimeError or MemoryError, depending on how far past)."""
+    if num_bytes > _MAX_TENSOR_BYTES:
+        raise _AllocationError(f"the payload claims {num_bytes} bytes, more than a tensor can hold (2**63 - 1)")
+    try:
+        return make()
+    except (TypeError, OverflowError, MemoryError, RuntimeError) as exc:
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # torch appends a C++ trace to some
+        raise _AllocationError(f"cannot allocate the {num_bytes} bytes the payload claims: {first_line}") from None
 
 
 class ReferenceEngine:
@@ -255,6 +274,8 @@ class ReferenceEngine:
             problems = self._payload_problems(session, [_meta(e) for e in entries])
             try:
                 named = self._receive(group, entries, is_bucket=request.load_format is LoadFormat.FLATTENED_BUCKET)
+            except _AllocationError as exc:  # before the first byte: the group is still usable
+                raise ValueError(str(exc)) from None
             except (TimeoutError, RuntimeError) as exc:
                 raise ValueError(f"receiving failed, group {group.group_name!r} is unusable: {exc}") from None
             return self._load(session, named, problems, endpoint=endpoint, request=request)
@@ -311,12 +332,14 @@ class ReferenceEngine:
     def _receive(self, group: UpdateGroup, entries: Sequence[BucketEntry], *, is_bucket: bool) -> list:
         """The trainer broadcasts once per bucket (flattened) or once per tensor in request order."""
         if is_bucket:
-            buffer = self._bucket_buffer(entries[-1].end, device=group.device)
+            buffer = _allocate(lambda: self._bucket_buffer(entries[-1].end, device=group.device), entries[-1].end)
             group.broadcast(buffer, src=_SOURCE_RANK, timeout_s=self._timeout_s)
             return unpack_bucket(buffer.cpu(), entries)
         named = []
         for entry in entries:
-            tensor = torch.empty(entry.shape, dtype=entry.dtype, device=group.device)
+            tensor = _allocate(
+                lambda: torch.empty(entry.shape, dtype=entry.dtype, device=group.device), entry.end - entry.start
+            )
             group.broadcast(tensor, src=_SOURCE_RANK, timeout_s=self._timeout_s)
             named.append((entry.name, tensor.cpu()))
         return named

@@ -7,6 +7,8 @@
 Binds loopback unless told otherwise (default host from MILES_SYNC_HOST). `--port 0` lets the OS pick; once the
 server accepts connections it prints exactly one line "listening on http://HOST:PORT" to stdout, so a parent
 process can read the port. Logs go to stderr and never contain the API key. SIGTERM or SIGINT stop it cleanly.
+The API key is best passed as $MILES_SYNC_ENGINE_API_KEY (what EngineLauncher does): `--api-key` shows on the
+command line, which every local user can read.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from miles_sync.engine.reference.models import load_tokenizer
 from miles_sync.engine.reference.runner import DRAFT_KINDS, load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.server import ServerSettings, create_app
-from miles_sync.env import read_environment
+from miles_sync.env import ENGINE_API_KEY_VARIABLE, read_environment
 from miles_sync.layout import WeightLayout
 from miles_sync.selector import DraftKind
 
@@ -50,7 +52,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec-steps", type=int, default=3)
     parser.add_argument("--host", default=env.host)
     parser.add_argument("--port", type=int, default=0, help="0: the OS picks a free port")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--api-key", default=env.engine_api_key,
+        help=f"prefer ${ENGINE_API_KEY_VARIABLE}: a command line is readable by every local user",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--collective-timeout-s", type=float, default=env.collective_timeout_s)
     parser.add_argument("--generate-timeout-s", type=float, default=600.0)

@@ -208,6 +208,8 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{request.path}: body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's decoder recurses per nesting level
+        raise ValueError(f"{request.path}: body is nested too deeply to parse") from None
 
 
 def _json(obj: Any, *, status: int = 200) -> web.Response:
