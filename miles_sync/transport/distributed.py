@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from miles_sync.bucket import FlattenedBucket, dtype_name
+from miles_sync.engine.client import EngineError
 from miles_sync.protocol import (
     DestroyWeightsUpdateGroupRequest,
     LoadFormat,
@@ -77,7 +78,7 @@ class DistributedTransport:
         await self.close(timeout_s=timeout_s)
         store = start_store_server(host=membership.master_address, port=membership.master_port, timeout_s=timeout_s)
         bound = membership.with_port(store.port)
-        join = asyncio.to_thread(
+        join = asyncio.ensure_future(asyncio.to_thread(
             create_update_group,
             master_address=bound.master_address,
             master_port=bound.master_port,
@@ -87,12 +88,14 @@ class DistributedTransport:
             backend=bound.backend,
             timeout_s=timeout_s,
             store=store,
-        )
+        ))
         inits = [
-            e.client.init_weights_update_group(bound.init_request(e.client.url), timeout_s=timeout_s)
+            asyncio.ensure_future(
+                e.client.init_weights_update_group(bound.init_request(e.client.url), timeout_s=timeout_s)
+            )
             for e in self._engines
         ]
-        results = await asyncio.gather(join, *inits, return_exceptions=True)
+        results = await _join_unless_refused(join, inits)
         group = results[0]
         failures = _failures(["source rank 0", *(e.client.url for e in self._engines)], results)
         if isinstance(group, UpdateGroup):
@@ -147,6 +150,36 @@ class DistributedTransport:
                 *(e.client.destroy_weights_update_group(request, timeout_s=timeout_s) for e in self._engines),
                 return_exceptions=True,
             )
+
+
+async def _join_unless_refused(join: asyncio.Future, inits: Sequence[asyncio.Future]) -> list[object]:
+    """[join's result, each init's result], exceptions as values. An engine that answers its init call with a
+    refusal can never join, so the rendezvous cannot complete: then this returns at once instead of waiting out the
+    rendezvous timeout, with a TransportError in place of every call still running (an init that got no answer
+    proves nothing: the rendezvous may still be under way, and its own timeout reports it). Those keep running in the background
+    until their own timeout (a thread blocked in the rendezvous cannot be interrupted); a group the join still
+    builds is destroyed, never used."""
+    pending: set[asyncio.Future] = {join, *inits}
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        if pending and any(f is not join and _is_refusal(f.exception()) for f in done):
+            break
+    for future in pending:
+        future.add_done_callback(_discard_late_result)
+    abandoned = TransportError("abandoned: another member refused to join")
+    return [abandoned if f in pending else (f.exception() or f.result()) for f in (join, *inits)]
+
+
+def _is_refusal(exc: BaseException | None) -> bool:
+    return isinstance(exc, EngineError) and exc.status is not None
+
+
+def _discard_late_result(future: asyncio.Future) -> None:
+    if future.cancelled() or future.exception() is not None:
+        return  # the expected end: the rendezvous timed out
+    result = future.result()
+    if isinstance(result, UpdateGroup):
+        result.destroy()
 
 
 def _failures(who: Sequence[str], results: Sequence[object]) -> list[str]:

@@ -461,7 +461,7 @@ class SilentMember:
 
 
 @contextlib.contextmanager
-def silent_member(*, weight_version: str) -> Iterator[SilentMember]:
+def silent_member(*, weight_version: str, refuses_init: bool = False) -> Iterator[SilentMember]:
     loop = asyncio.new_event_loop()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -470,6 +470,8 @@ def silent_member(*, weight_version: str) -> Iterator[SilentMember]:
 
     async def init(request: web.Request) -> web.Response:
         member.init_requests.append(await request.json())
+        if refuses_init:
+            return web.json_response({"success": False, "message": "backend 'gloo' is not supported here"}, status=400)
         await closing.wait()
         return web.json_response({"success": False, "message": "closing"}, status=400)
 
@@ -527,3 +529,20 @@ def test_rendezvous_that_never_completes(fleet):
             assert set(call(controller, "serving_engines")) >= set(urls)
     with controller_for(fleet) as controller:  # the next sync, with the real engines only
         assert_full_sync(fleet, controller, committed, round_index=15)
+
+
+def test_a_refused_init_fails_the_sync_without_waiting_out_the_rendezvous(fleet):
+    urls = list(current_urls(fleet.engines.actors))
+    with controller_for(fleet) as controller:
+        committed = commit_then_train(fleet, controller, round_index=16)
+    with silent_member(weight_version=committed.version, refuses_init=True) as member:
+        with controller_for(fleet, extra_urls=[member.url]) as controller:
+            failed, elapsed = timed_sync(controller)
+            assert member.url in failed.error and "not supported here" in failed.error, failed.error
+            # A member that refused can never join: the sync does not wait for the rendezvous to time out.
+            assert elapsed < FAULT_SYNC.collective_timeout_s, f"{elapsed:.1f} s: it waited out the rendezvous"
+            assert failed.phases.pause_s == 0.0
+            assert_version_kept(controller, committed)
+            assert assert_no_partial_weights(controller, urls, committed, round_index=17) == urls
+    with controller_for(fleet) as controller:  # the real engines are still blocked in that rendezvous meanwhile
+        assert_full_sync(fleet, controller, committed, round_index=18)
