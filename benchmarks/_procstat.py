@@ -1,16 +1,24 @@
 """Per-process figures read from /proc (Linux): resident memory, open descriptors, threads, child processes.
 
 The benchmarks and the soak need only these few numbers, so they read them straight from procfs instead of adding
-a dependency for it. `PeakSampler` polls a set of processes on a thread and keeps each one's highest RSS.
+a dependency for it. `PeakSampler` polls a set of processes on a thread and keeps each one's highest RSS;
+`FleetProbe` samples a fleet's processes and attributes /dev/shm entries to it (the soak).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["PeakSampler", "child_pids", "num_fds", "num_threads", "rss_bytes"]
+__all__ = [
+    "FleetProbe", "PeakSampler", "ProcessSample", "child_pids", "command_name", "num_fds", "num_threads", "rss_bytes",
+    "sample_process", "shm_entries",
+]  # fmt: skip
 
 
 def _status_field(pid: int, field: str) -> int:
@@ -81,3 +89,106 @@ class PeakSampler:
                 self.peak[pid] = max(self.peak[pid], rss_bytes(pid))
             except (FileNotFoundError, ProcessLookupError):
                 continue
+
+
+# ---- a fleet of processes and its shared memory (benchmarks/soak.py) ---------------------------------------------
+
+SHM_DIR = Path("/dev/shm")
+_TORCH_SEGMENT = re.compile(r"^torch_(\d+)_")  # torch's file_system strategy embeds the creator's pid
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessSample:
+    rss_bytes: int
+    num_fds: int
+    num_threads: int
+
+
+def sample_process(pid: int) -> ProcessSample | None:
+    """None when the process is gone (or a zombie: it holds no memory or fds any more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rpartition(")")[2].split()[0] == "Z":
+                return None
+        return ProcessSample(rss_bytes=rss_bytes(pid), num_fds=num_fds(pid), num_threads=num_threads(pid))
+    except (FileNotFoundError, ProcessLookupError, KeyError):
+        return None
+
+
+def _descendants(pid: int) -> list[int]:
+    found, pending = [], [pid]
+    while pending:
+        try:
+            children = child_pids(pending.pop())
+        except FileNotFoundError:
+            continue
+        found += children
+        pending += children
+    return found
+
+
+def command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return "?"
+
+
+def _shm_held_by(pid: int) -> set[str]:
+    """/dev/shm entries process `pid` maps or has open (best effort: the process may end meanwhile)."""
+    held = set()
+    prefix = str(SHM_DIR) + "/"
+    with contextlib.suppress(FileNotFoundError, PermissionError, ProcessLookupError):
+        with open(f"/proc/{pid}/maps") as maps:
+            held.update(line.split(prefix, 1)[1].split()[0] for line in maps if prefix in line)
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    held.add(target[len(prefix) :].split()[0])
+    return held
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir(SHM_DIR))
+
+
+class FleetProbe:
+    """Samples the fleet's named processes and their descendants, and attributes /dev/shm entries to this run.
+
+    An entry counts as this run's when it did not exist before the run and a process of the run (any descendant of
+    the driver: Ray's own processes included) was seen holding it, or its torch name embeds such a pid. Entries of
+    other users of the machine are thereby left out."""
+
+    def __init__(self, roots: dict[str, int], *, shm_before: set[str]) -> None:
+        self._roots = roots
+        self._shm_before = shm_before
+        self._run_pids: set[int] = {os.getpid()}
+        self._run_shm: set[str] = set()
+        self.labels: dict[int, str] = {}
+
+    def sample(self) -> tuple[dict[int, ProcessSample], set[str]]:
+        """Figures of every fleet process alive now (pid -> sample), and this run's /dev/shm entries present now."""
+        named = set(self._roots.values())
+        for role, pid in self._roots.items():
+            self.labels.setdefault(pid, role)
+            if role == "driver":  # the driver's children are Ray's own processes, not the fleet's
+                continue
+            for child in _descendants(pid):
+                if child not in named:
+                    self.labels.setdefault(child, f"{role}/{command_name(child)}")
+        figures = {pid: s for pid in self.labels if (s := sample_process(pid)) is not None}
+        self._run_pids.update(_descendants(os.getpid()))
+        for pid in self._run_pids:
+            self._run_shm |= _shm_held_by(pid) - self._shm_before
+        present = shm_entries() - self._shm_before
+        self._run_shm |= {n for n in present if (m := _TORCH_SEGMENT.match(n)) and int(m.group(1)) in self._run_pids}
+        return figures, present & self._run_shm
+
+    @property
+    def run_pids(self) -> set[int]:
+        return set(self._run_pids)
+
+    @property
+    def run_shm(self) -> set[str]:
+        return set(self._run_shm)

@@ -27,7 +27,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procstat import child_pids, num_fds, num_threads, rss_bytes  # noqa: E402
+from _procstat import FleetProbe, ProcessSample, command_name, sample_process, shm_entries  # noqa: E402
 
 from miles_sync.cluster import connect_ray, prepare_environment  # noqa: E402
 from miles_sync.config import MilesSyncConfig, Transport, load_config  # noqa: E402
@@ -53,112 +52,10 @@ SOAK_OVERRIDES = ("rollout.num_prompts=2", "rollout.max_new_tokens=8", "run_name
 START_TIMEOUT_S = 600.0  # engines and trainer ranks import torch/megatron and load the checkpoint
 PLACEMENT_TIMEOUT_S = 120.0
 SHUTDOWN_GRACE_S = 15.0  # torch's shm manager unlinks segments once its clients are gone: give it time
-SHM_DIR = Path("/dev/shm")
-_TORCH_SEGMENT = re.compile(r"^torch_(\d+)_")  # torch's file_system strategy embeds the creator's pid
 
 
 def log(message: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# ---- process and shared-memory sampling -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProcessSample:
-    rss_bytes: int
-    num_fds: int
-    num_threads: int
-
-
-def _sample_process(pid: int) -> ProcessSample | None:
-    """None when the process is gone (or a zombie: it holds no memory or fds any more)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rpartition(")")[2].split()[0] == "Z":
-                return None
-        return ProcessSample(rss_bytes=rss_bytes(pid), num_fds=num_fds(pid), num_threads=num_threads(pid))
-    except (FileNotFoundError, ProcessLookupError, KeyError):
-        return None
-
-
-def _descendants(pid: int) -> list[int]:
-    found, pending = [], [pid]
-    while pending:
-        try:
-            children = child_pids(pending.pop())
-        except FileNotFoundError:
-            continue
-        found += children
-        pending += children
-    return found
-
-
-def _command_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except FileNotFoundError:
-        return "?"
-
-
-def _shm_held_by(pid: int) -> set[str]:
-    """/dev/shm entries process `pid` maps or has open (best effort: the process may end meanwhile)."""
-    held = set()
-    prefix = str(SHM_DIR) + "/"
-    with contextlib.suppress(FileNotFoundError, PermissionError, ProcessLookupError):
-        with open(f"/proc/{pid}/maps") as maps:
-            held.update(line.split(prefix, 1)[1].split()[0] for line in maps if prefix in line)
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(prefix):
-                    held.add(target[len(prefix) :].split()[0])
-    return held
-
-
-def shm_entries() -> set[str]:
-    return set(os.listdir(SHM_DIR))
-
-
-class FleetProbe:
-    """Samples the fleet's named processes and their descendants, and attributes /dev/shm entries to this run.
-
-    An entry counts as this run's when it did not exist before the run and a process of the run (any descendant of
-    the driver: Ray's own processes included) was seen holding it, or its torch name embeds such a pid. Entries of
-    other users of the machine are thereby left out."""
-
-    def __init__(self, roots: dict[str, int], *, shm_before: set[str]) -> None:
-        self._roots = roots
-        self._shm_before = shm_before
-        self._run_pids: set[int] = {os.getpid()}
-        self._run_shm: set[str] = set()
-        self.labels: dict[int, str] = {}
-
-    def sample(self) -> tuple[dict[int, ProcessSample], set[str]]:
-        """Figures of every fleet process alive now (pid -> sample), and this run's /dev/shm entries present now."""
-        named = set(self._roots.values())
-        for role, pid in self._roots.items():
-            self.labels.setdefault(pid, role)
-            if role == "driver":  # the driver's children are Ray's own processes, not the fleet's
-                continue
-            for child in _descendants(pid):
-                if child not in named:
-                    self.labels.setdefault(child, f"{role}/{_command_name(child)}")
-        figures = {pid: s for pid in self.labels if (s := _sample_process(pid)) is not None}
-        self._run_pids.update(_descendants(os.getpid()))
-        for pid in self._run_pids:
-            self._run_shm |= _shm_held_by(pid) - self._shm_before
-        present = shm_entries() - self._shm_before
-        self._run_shm |= {n for n in present if (m := _TORCH_SEGMENT.match(n)) and int(m.group(1)) in self._run_pids}
-        return figures, present & self._run_shm
-
-    @property
-    def run_pids(self) -> set[int]:
-        return set(self._run_pids)
-
-    @property
-    def run_shm(self) -> set[str]:
-        return set(self._run_shm)
 
 
 # ---- the fleet ----------------------------------------------------------------------------------------------------
@@ -522,9 +419,9 @@ def _survivors(run: SoakRun) -> list[str]:
     """Processes of the run (fleet or Ray's own) still alive after the shutdown, waiting up to the grace time."""
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
     while True:
-        alive = sorted(p for p in run.run_pids - {os.getpid()} if _sample_process(p) is not None)
+        alive = sorted(p for p in run.run_pids - {os.getpid()} if sample_process(p) is not None)
         if not alive or time.monotonic() > deadline:
-            return [f"{run.labels.get(p, _command_name(p))} (pid {p})" for p in alive]
+            return [f"{run.labels.get(p, command_name(p))} (pid {p})" for p in alive]
         time.sleep(0.5)
 
 
