@@ -20,7 +20,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles_sync.transport import UpdateGroup
 
 _LISTENING = "listening on "
 
@@ -85,17 +88,21 @@ def reference_server(
     finalize_policy: str = "strict",
     spec_steps: int = 3,
     api_key: str | None = None,
+    host: str | None = "127.0.0.1",
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = 120.0,
 ) -> Iterator[ServerProcess]:
-    """Start `serve` (one torch thread, loopback, OS-chosen port); yield once /health answers; always kill it."""
+    """Start `serve` (one torch thread, loopback, OS-chosen port); yield once /health answers; always kill it.
+    `host=None` passes no --host, so serve picks its own default."""
     args = [
         sys.executable, "-m", "miles_sync.engine.reference.serve",
         "--model", str(model), "--draft-kind", draft_kind, "--weight-layout", weight_layout,
         "--finalize-policy", finalize_policy, "--spec-steps", str(spec_steps),
-        "--host", "127.0.0.1", "--port", "0", "--threads", "1", *extra_args,
+        "--port", "0", "--threads", "1", *extra_args,
     ]  # fmt: skip
+    if host is not None:
+        args += ["--host", host]
     if draft is not None:
         args += ["--draft", str(draft)]
     if api_key is not None:
@@ -181,3 +188,28 @@ def generate(
 ) -> tuple[int, Any]:
     body = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
     return server.post("/generate", body, timeout_s=timeout_s)
+
+
+@contextlib.contextmanager
+def joined_group(server: ServerProcess, *, group_name: str, timeout_s: float) -> Iterator[UpdateGroup]:
+    """A gloo update group of two: this process is rank 0 (the source), the server rank 1. Destroyed on exit."""
+    from miles_sync.transport import create_update_group, start_store_server
+
+    store = start_store_server(host="127.0.0.1", timeout_s=timeout_s)
+    join: list = []
+    body = {
+        "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
+        "group_name": group_name, "backend": "gloo",
+    }  # fmt: skip
+    joiner = threading.Thread(target=lambda: join.append(server.post("/init_weights_update_group", body)))
+    joiner.start()
+    group = create_update_group(
+        master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2, group_name=group_name,
+        backend="gloo", timeout_s=timeout_s, store=store,
+    )  # fmt: skip
+    try:
+        joiner.join(timeout_s)
+        assert join and join[0][0] == 200, join
+        yield group
+    finally:
+        group.destroy()

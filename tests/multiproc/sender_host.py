@@ -18,10 +18,8 @@ from typing import Any
 
 import torch
 
-from miles_sync.export.units import ExportedUnit
-from miles_sync.plan import AtomicUnit, TensorMeta
+from miles_sync.export.units import ExportedUnit, units_from_hf_tensors
 
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _PERTURBATION = 1e-4  # small enough that generation quality survives a few steps
 
 
@@ -73,20 +71,7 @@ def export_units(
     names = exported_names(
         tensors, num_hidden_layers=num_hidden_layers, include_mtp=include_mtp, skip_names=skip_names
     )
-    units, taken = [], set()
-    for name in names:
-        if name in taken:
-            continue
-        group = [name]
-        for fused in _FUSED:
-            for part in fused:
-                if f".{part}." in name:
-                    group = [name.replace(f".{part}.", f".{p}.") for p in fused]
-        taken.update(group)
-        metas = tuple(TensorMeta(name=n, shape=tuple(tensors[n].shape), dtype=tensors[n].dtype) for n in group)
-        unit = AtomicUnit(key=group[0], tensors=metas)
-        units.append(ExportedUnit(meta=unit, tensors=tuple(tensors[n] for n in group)))
-    return units
+    return units_from_hf_tensors(tensors, names)
 
 
 def run(conn, target_dir: str, gate_reached, gate_release) -> None:

@@ -29,7 +29,6 @@ import os
 import pickle
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,7 +39,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference_server import ServerProcess, checkpoint_tensors, checksums, generate, mtp_names, reference_server
+from reference_server import (
+    ServerProcess, checkpoint_tensors, checksums, generate, joined_group, mtp_names, reference_server,
+)  # fmt: skip
 
 from miles_sync.protocol import ENDPOINTS
 from miles_sync.tensor_payload import (
@@ -50,7 +51,6 @@ from miles_sync.tensor_payload import (
     decode_payload,
     encode_named_tensors,
 )
-from miles_sync.transport import create_update_group, start_store_server
 
 GROUP = "hostile-group"
 TIMEOUT_S = 60.0
@@ -66,27 +66,10 @@ def env(reference_checkpoints, tmp_path_factory) -> Iterator[dict[str, Any]]:
     target = reference_checkpoints / "target"
     with reference_server(
         model=target, draft_kind="mtp", weight_layout="aiter", log_dir=tmp_path_factory.mktemp("hostile")
-    ) as server:
-        store = start_store_server(host="127.0.0.1", timeout_s=TIMEOUT_S)
-        join: list = []
-        body = {
-            "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
-            "group_name": GROUP, "backend": "gloo",
-        }  # fmt: skip
-        joiner = threading.Thread(target=lambda: join.append(server.post("/init_weights_update_group", body)))
-        joiner.start()
-        group = create_update_group(
-            master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2, group_name=GROUP,
-            backend="gloo", timeout_s=TIMEOUT_S, store=store,
-        )  # fmt: skip
-        joiner.join(TIMEOUT_S)
-        assert join and join[0][0] == 200, join
+    ) as server, joined_group(server, group_name=GROUP, timeout_s=TIMEOUT_S):
         draft = mtp_names(target)
         weights = {n: t for n, t in checkpoint_tensors(target).items() if n not in draft}
-        try:
-            yield {"server": server, "weights": weights, "baseline": checksums(server)}
-        finally:
-            group.destroy()
+        yield {"server": server, "weights": weights, "baseline": checksums(server)}
 
 
 def _q(env) -> tuple[str, torch.Tensor]:

@@ -11,8 +11,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -34,7 +32,6 @@ from miles_sync.trainer import SenderSettings
 API_KEY = "sk-sec-7f3a91c2e5"
 WRONG_KEY = "sk-sec-0000bad"
 TIMEOUT_S = 60.0
-_LISTENING = "listening on "
 _LOOPBACK_HOSTS = ("127.0.0.1", "[::1]")
 
 # ---- default bind address -----------------------------------------------------------------------------------------
@@ -43,21 +40,6 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "[::1]")
 def test_serve_defaults_to_loopback_without_the_host_variable(monkeypatch):
     monkeypatch.delenv("MILES_SYNC_HOST", raising=False)
     assert parse_args(["--model", "unused"]).host == "127.0.0.1"
-
-
-def _read_listening_url(process: subprocess.Popen, *, timeout_s: float) -> str | None:
-    found: list[str] = []
-
-    def read() -> None:
-        for line in process.stdout:
-            if line.startswith(_LISTENING):
-                found.append(line[len(_LISTENING) :].strip())
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return found[0] if found else None
 
 
 def _process_tree(pid: int) -> set[int]:
@@ -90,29 +72,15 @@ def _listening_addresses(pids: set[int]) -> list[str]:
     return addresses
 
 
-def test_serve_without_a_host_argument_listens_on_loopback_only(reference_checkpoints, tmp_path):
-    env = {**{k: v for k, v in os.environ.items() if k != "MILES_SYNC_HOST"}, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "miles_sync.engine.reference.serve", "--model", str(reference_checkpoints / "target"),
-            "--port", "0", "--threads", "1"]  # fmt: skip
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    try:
-        url = _read_listening_url(process, timeout_s=120.0)
-        assert url is not None, log_path.read_text(errors="replace")[-3000:]
+def test_serve_without_a_host_argument_listens_on_loopback_only(reference_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.delenv("MILES_SYNC_HOST", raising=False)  # the server inherits this process's environment
+    with reference_server(model=reference_checkpoints / "target", log_dir=tmp_path, host=None) as server:
+        url = server.url
         assert url.startswith("http://127.0.0.1:"), url
-        addresses = _listening_addresses(_process_tree(process.pid))
+        addresses = _listening_addresses(_process_tree(server.process.pid))
         assert addresses, "ss reports no listening socket for the server"
         assert all(address.rsplit(":", 1)[0] in _LOOPBACK_HOSTS for address in addresses), addresses
         assert any(address.endswith(":" + url.rsplit(":", 1)[1]) for address in addresses), (url, addresses)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
-        process.stdout.close()
 
 
 # ---- API key on every route ---------------------------------------------------------------------------------------

@@ -10,10 +10,9 @@ import threading
 
 import pytest
 import torch
-from reference_server import checkpoint_tensors, checksums, generate, mtp_names, reference_server
+from reference_server import checkpoint_tensors, checksums, generate, joined_group, mtp_names, reference_server
 
 from miles_sync.tensor_payload import FlattenedTensorMetadata, _PayloadPickler, encode_named_tensors
-from miles_sync.transport import create_update_group, start_store_server
 
 GROUP = "errors-group"
 TIMEOUT_S = 60.0
@@ -24,29 +23,12 @@ def env(reference_checkpoints, tmp_path_factory):
     target = reference_checkpoints / "target"
     with reference_server(
         model=target, draft_kind="mtp", weight_layout="aiter", log_dir=tmp_path_factory.mktemp("errors")
-    ) as server:
-        store = start_store_server(host="127.0.0.1", timeout_s=TIMEOUT_S)
-        join: list = []
-        body = {
-            "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
-            "group_name": GROUP, "backend": "gloo",
-        }  # fmt: skip
-        joiner = threading.Thread(target=lambda: join.append(server.post("/init_weights_update_group", body)))
-        joiner.start()
-        group = create_update_group(
-            master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2, group_name=GROUP,
-            backend="gloo", timeout_s=TIMEOUT_S, store=store,
-        )  # fmt: skip
-        joiner.join(TIMEOUT_S)
-        assert join and join[0][0] == 200, join
+    ) as server, joined_group(server, group_name=GROUP, timeout_s=TIMEOUT_S) as group:
         tensors = checkpoint_tensors(target)
         draft = mtp_names(target)
         weights = {n: t for n, t in tensors.items() if n not in draft}
-        try:
-            baseline = checksums(server)
-            yield {"server": server, "group": group, "weights": weights, "draft": sorted(draft), "baseline": baseline}
-        finally:
-            group.destroy()
+        baseline = checksums(server)
+        yield {"server": server, "group": group, "weights": weights, "draft": sorted(draft), "baseline": baseline}
 
 
 def _q(env) -> tuple[str, torch.Tensor]:

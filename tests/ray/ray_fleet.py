@@ -1,5 +1,5 @@
-"""Shared pieces of the Ray tests: a local cluster on loopback, the synthetic language's prompts and rewards, and
-small HTTP reads of an engine (its weight checksum) through the real client."""
+"""Shared pieces of the Ray tests: a local cluster on loopback, the two-trainer two-engine fleet, the synthetic
+language's prompts and rewards, and small HTTP reads of an engine (its weight checksum) through the real client."""
 
 from __future__ import annotations
 
@@ -9,9 +9,20 @@ import ipaddress
 import os
 import subprocess
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 
+from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
+from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
+from miles_sync.config import TrainerConfig
+from miles_sync.engine.launcher import ReferenceEngineSpec
+from miles_sync.layout import WeightLayout
+from miles_sync.placement import PlacedGroups, PlacementPlan, create_placement_groups, plan_placement
+from miles_sync.selector import DraftKind
 from miles_sync.engine.client import EngineClient
 from miles_sync import rl
 from miles_sync.engine.launcher import Sample
@@ -86,3 +97,57 @@ def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:
 
 def current_urls(engine_actors: Sequence[object]) -> tuple[str, ...]:
     return tuple(ray.get([a.url.remote() for a in engine_actors], timeout=RAY_TIMEOUT_S))
+
+
+@dataclass
+class Fleet:
+    """Two trainer ranks and two reference engines (MTP draft, AITER layout), colocated bundle by bundle.
+    `trainers` is replaced when a test re-creates the trainer group."""
+
+    plan: PlacementPlan
+    placed: PlacedGroups
+    engines: EngineGroup
+    trainers: TrainerGroup
+    checkpoint_dir: str
+
+    @property
+    def source_rank(self) -> int:
+        (rank,) = [info.rank for info in self.trainers.ranks if info.is_source]
+        return rank
+
+    @property
+    def source(self) -> Any:
+        return self.trainers.actors[self.source_rank]
+
+    @property
+    def num_tensors(self) -> int:
+        return self.trainers.ranks[0].num_exported_tensors
+
+
+@contextlib.contextmanager
+def started_fleet(
+    *, checkpoint_dir: str, log_dir: str, trainer: TrainerConfig, engine_collective_timeout_s: float, name: str
+) -> Iterator[Fleet]:
+    """Start the fleet on the running cluster; shut down trainers, engines and placement groups on exit."""
+    plan = plan_placement(
+        layout="colocated", num_trainers=2, num_engines=2,
+        trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
+    )  # fmt: skip
+    spec = ReferenceEngineSpec(
+        model_dir=checkpoint_dir, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER,
+        collective_timeout_s=engine_collective_timeout_s,
+    )  # fmt: skip
+    with ExitStack() as stack:
+        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix=name)
+        stack.callback(placed.remove)
+        # Engines and trainers start at the same time: each side spends most of its start-up importing.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            engines_future = pool.submit(create_engines, specs=[spec, spec], log_dir=log_dir, placement=placed)
+            trainers_future = pool.submit(
+                create_trainers, trainer=trainer, checkpoint_dir=checkpoint_dir, placement=placed
+            )
+            engines, trainers = engines_future.result(), trainers_future.result()
+        stack.callback(engines.shutdown)
+        fleet = Fleet(plan=plan, placed=placed, engines=engines, trainers=trainers, checkpoint_dir=checkpoint_dir)
+        stack.callback(lambda: fleet.trainers.shutdown())  # whichever trainer group is current at the end
+        yield fleet

@@ -23,8 +23,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,20 +31,18 @@ import aiohttp
 import pytest
 import ray
 from aiohttp import web
-from ray_fleet import RAY_TIMEOUT_S, current_urls, local_ray, prompts, target_checksum, train_batch
+from ray_fleet import (
+    RAY_TIMEOUT_S, Fleet, current_urls, local_ray, prompts, started_fleet, target_checksum, train_batch,
+)  # fmt: skip
 
 from actors.controller import create_controller
-from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
-from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
+from actors.trainer import create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, Transport
 from miles_sync.embedding import attached_source
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient, EngineError
-from miles_sync.engine.launcher import ReferenceEngineSpec, generate_samples
-from miles_sync.layout import WeightLayout
-from miles_sync.placement import PlacedGroups, create_placement_groups, plan_placement
+from miles_sync.engine.launcher import generate_samples
 from miles_sync.protocol import DestroyWeightsUpdateGroupRequest, SamplingParams
 from miles_sync.report import SyncProgress, SyncReport
-from miles_sync.selector import DraftKind
 
 pytestmark = pytest.mark.slow
 
@@ -66,52 +62,12 @@ SLACK_S = 10.0
 FAILED_SYNC_BOUND_S = FAULT_SYNC.sync_timeout_s + TEARDOWN_CALLS * FAULT_SYNC.http_timeout_s + SLACK_S
 
 
-@dataclass
-class Fleet:
-    """The fleet under test. `trainers` is replaced when a test re-creates the trainer group."""
-
-    placed: PlacedGroups
-    engines: EngineGroup
-    trainers: TrainerGroup
-    checkpoint_dir: str
-
-    @property
-    def source_rank(self) -> int:
-        (rank,) = [info.rank for info in self.trainers.ranks if info.is_source]
-        return rank
-
-    @property
-    def source(self) -> Any:
-        return self.trainers.actors[self.source_rank]
-
-    @property
-    def num_tensors(self) -> int:
-        return self.trainers.ranks[0].num_exported_tensors
-
-
 @pytest.fixture(scope="module")
 def fleet(reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
-    target = str(reference_checkpoints / "target")
-    plan = plan_placement(
-        layout="colocated", num_trainers=2, num_engines=2,
-        trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
-    )  # fmt: skip
-    spec = ReferenceEngineSpec(
-        model_dir=target, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER,
-        collective_timeout_s=ENGINE_COLLECTIVE_TIMEOUT_S,
-    )  # fmt: skip
-    with local_ray(num_cpus=2), ExitStack() as stack:
-        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix="faults")
-        stack.callback(placed.remove)
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            engines_future = pool.submit(
-                create_engines, specs=[spec, spec], log_dir=tmp_path_factory.mktemp("engines"), placement=placed
-            )
-            trainers_future = pool.submit(create_trainers, trainer=TRAINER, checkpoint_dir=target, placement=placed)
-            engines, trainers = engines_future.result(), trainers_future.result()
-        stack.callback(engines.shutdown)
-        fleet = Fleet(placed=placed, engines=engines, trainers=trainers, checkpoint_dir=target)
-        stack.callback(lambda: fleet.trainers.shutdown())  # whichever trainer group is current at the end
+    with local_ray(num_cpus=2), started_fleet(
+        checkpoint_dir=str(reference_checkpoints / "target"), log_dir=tmp_path_factory.mktemp("engines"),
+        trainer=TRAINER, engine_collective_timeout_s=ENGINE_COLLECTIVE_TIMEOUT_S, name="faults",
+    ) as fleet:  # fmt: skip
         yield fleet
 
 

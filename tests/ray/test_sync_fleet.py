@@ -19,9 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,25 +27,21 @@ import ray
 from aiohttp import web
 from ray_fleet import (
     RAY_TIMEOUT_S,
+    Fleet,
     current_urls,
     listeners_off_loopback,
     local_ray,
     mean_accept_length,
     prompts,
+    started_fleet,
     target_checksum,
     train_batch,
 )
 
 from actors.controller import create_controller
-from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
-from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, Transport
 from miles_sync.embedding import attached_source
-from miles_sync.engine.launcher import ReferenceEngineSpec
-from miles_sync.layout import WeightLayout
-from miles_sync.placement import PlacedGroups, PlacementPlan, create_placement_groups, plan_placement
 from miles_sync.protocol import SamplingParams, Selector
-from miles_sync.selector import DraftKind
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_ROUNDS = 5
@@ -57,23 +51,6 @@ MODEL = ModelConfig(arch="qwen3", speculative_algorithm="NEXTN", num_trained_mtp
 SYNC = dict(bucket_bytes=256 * 1024, http_timeout_s=20.0, collective_timeout_s=20.0, sync_timeout_s=90.0)
 
 
-@dataclass
-class Fleet:
-    plan: PlacementPlan
-    placed: PlacedGroups
-    trainers: TrainerGroup
-    engines: EngineGroup
-
-    @property
-    def source_rank(self) -> int:
-        (rank,) = [info.rank for info in self.trainers.ranks if info.is_source]
-        return rank
-
-    @property
-    def num_tensors(self) -> int:
-        return self.trainers.ranks[0].num_exported_tensors
-
-
 @pytest.fixture(scope="module")
 def cluster():
     with local_ray(num_cpus=2):
@@ -81,30 +58,12 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Fleet:
-    target = str(reference_checkpoints / "target")
-    plan = plan_placement(
-        layout="colocated", num_trainers=2, num_engines=2,
-        trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
-    )  # fmt: skip
-    spec = ReferenceEngineSpec(
-        model_dir=target, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER, collective_timeout_s=20.0
-    )
-    with ExitStack() as stack:
-        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix="fleet")
-        stack.callback(placed.remove)
-        # Engines and trainers start at the same time: each side spends most of its start-up importing.
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            engines_future = pool.submit(
-                create_engines, specs=[spec, spec], log_dir=tmp_path_factory.mktemp("engines"), placement=placed
-            )
-            trainers_future = pool.submit(
-                create_trainers, trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=target, placement=placed
-            )
-            engines, trainers = engines_future.result(), trainers_future.result()
-        stack.callback(engines.shutdown)
-        stack.callback(trainers.shutdown)
-        yield Fleet(plan=plan, placed=placed, trainers=trainers, engines=engines)
+def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
+    with started_fleet(
+        checkpoint_dir=str(reference_checkpoints / "target"), log_dir=tmp_path_factory.mktemp("engines"),
+        trainer=TrainerConfig(tp=2, lr=1e-4), engine_collective_timeout_s=20.0, name="fleet",
+    ) as fleet:  # fmt: skip
+        yield fleet
 
 
 @contextlib.contextmanager
