@@ -49,8 +49,6 @@ RSS_LIMIT_PCT = 5.0
 # (the controller was seen 64 -> 65 over 100 syncs). A leak of one fd per sync passes this within 3 syncs.
 FD_TOLERANCE = 2
 SOAK_OVERRIDES = ("rollout.num_prompts=2", "rollout.max_new_tokens=8", "run_name=soak")
-START_TIMEOUT_S = 600.0  # engines and trainer ranks import torch/megatron and load the checkpoint
-PLACEMENT_TIMEOUT_S = 120.0
 SHUTDOWN_GRACE_S = 15.0  # torch's shm manager unlinks segments once its clients are gone: give it time
 
 
@@ -110,58 +108,13 @@ class Fleet:
         return {os.getpid(): _trim_heap(None), **dict(zip(pids, trimmed))}
 
 
-def _checkpoint_dir(config: MilesSyncConfig) -> str:
-    if config.model.checkpoint_dir is not None:
-        return config.model.checkpoint_dir
-    from miles_sync.engine.reference.checkpoints import cached_checkpoints
-    from miles_sync.env import read_environment
-
-    return str(cached_checkpoints(read_environment().cache_dir) / "target")
-
-
 @contextlib.contextmanager
 def start_fleet(config: MilesSyncConfig, *, log_dir: Path) -> Iterator[Fleet]:
-    """The main job's fleet (miles_sync.job), placed the way the job places it; stopped in reverse on exit."""
-    import ray
+    """The main job's actors, started and stopped by the job's own code; engine logs go to `log_dir`."""
+    from miles_sync.job import start_job_actors
 
-    from actors.controller import create_controller
-    from actors.rollout import DEFAULT_ENGINE_RESOURCES, create_engines
-    from actors.trainer import DEFAULT_TRAINER_RESOURCES, create_trainers
-    from miles_sync.engine.launcher import engine_spec
-    from miles_sync.placement import PlacementLayout, create_placement_groups, plan_placement
-
-    checkpoint = _checkpoint_dir(config)
-    is_colocated = config.sync.transport is Transport.COLOCATED
-    plan = plan_placement(
-        layout=PlacementLayout.COLOCATED if is_colocated else PlacementLayout.DISAGGREGATED,
-        num_trainers=config.trainer.world_size, num_engines=config.engines.count,
-        trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
-    )  # fmt: skip
-    with contextlib.ExitStack() as stack:
-        placed = create_placement_groups(plan, timeout_s=PLACEMENT_TIMEOUT_S, name_prefix=f"soak-{os.getpid()}")
-        stack.callback(placed.remove)
-        trainers = create_trainers(
-            trainer=config.trainer, checkpoint_dir=checkpoint,
-            num_trained_mtp_layers=config.model.num_trained_mtp_layers, seed=config.seed, placement=placed,
-            timeout_s=START_TIMEOUT_S,
-        )  # fmt: skip
-        stack.callback(trainers.shutdown)
-        spec = engine_spec(config.engines, model_dir=checkpoint, collective_timeout_s=config.sync.collective_timeout_s)
-        engines = create_engines(specs=[spec] * config.engines.count, log_dir=log_dir, placement=placed,
-                                 http_timeout_s=config.sync.http_timeout_s, timeout_s=START_TIMEOUT_S)  # fmt: skip
-        stack.callback(engines.shutdown)
-        controller = create_controller(
-            trainers=trainers.actors, engine_urls=engines.urls, sync=config.sync, model=config.model,
-            api_key=config.engines.api_key, timeout_s=START_TIMEOUT_S,
-        )  # fmt: skip
-
-        def close_controller() -> None:
-            with contextlib.suppress(Exception):
-                ray.get(controller.close.remote(), timeout=60)
-            ray.kill(controller)
-
-        stack.callback(close_controller)
-        yield Fleet(trainers=trainers, engines=engines, controller=controller)
+    with start_job_actors(config, log=log, engine_log_dir=log_dir) as actors:
+        yield Fleet(trainers=actors.trainers, engines=actors.engines, controller=actors.controller)
 
 
 # ---- one sync -----------------------------------------------------------------------------------------------------

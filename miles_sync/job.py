@@ -49,7 +49,7 @@ from miles_sync.run_report import (
     write_png,
 )
 
-__all__ = ["JobResult", "run_job"]
+__all__ = ["JobActors", "JobResult", "run_job", "start_job_actors"]
 
 _START_TIMEOUT_S = 600.0  # engines and trainer ranks import torch/megatron and load the checkpoint
 _PLACEMENT_TIMEOUT_S = 120.0
@@ -113,6 +113,59 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
     return JobResult(report=report, json_path=json_path, png_path=png_path)
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobActors:
+    """The running actors of one job. `engines` is None when the job uses running servers (`engines.urls`)."""
+
+    urls: tuple[str, ...]
+    engines: EngineGroup | None
+    trainers: TrainerGroup
+    controller: Any
+
+
+@contextlib.contextmanager
+def start_job_actors(
+    config: MilesSyncConfig, *, log: Callable[[str], None], engine_log_dir: Path | None = None
+) -> Iterator[JobActors]:
+    """Place and start the job's engines (unless given as URLs), trainer ranks and controller on the connected Ray
+    cluster; stop them in reverse on exit. Engine logs go to `engine_log_dir` (default:
+    <output_dir>/<run_name>/engine-logs)."""
+    if engine_log_dir is None:
+        engine_log_dir = Path(config.output_dir) / config.run_name / "engine-logs"
+    with contextlib.ExitStack() as stack:
+        checkpoint = _checkpoint_dir(config, log=log)
+        placed = _placement(config)
+        if placed is not None:
+            stack.callback(placed.remove)
+        engines = None
+        if config.engines.urls:
+            urls = config.engines.urls
+            log(f"using {len(urls)} running engine server(s): {', '.join(urls)}")
+        else:
+            log(f"starting {config.engines.count} {config.engines.kind.value} engine(s) and "
+                f"{config.trainer.world_size} trainer rank(s) (TP={config.trainer.tp})")  # fmt: skip
+        # Engines and trainer ranks start at once: each side spends most of its start-up importing.
+        with _Background(_start_engines, config, checkpoint, placed, engine_log_dir) as engine_start:
+            trainers = create_trainers(
+                trainer=config.trainer, checkpoint_dir=checkpoint,
+                num_trained_mtp_layers=config.model.num_trained_mtp_layers, seed=config.seed, placement=placed,
+                timeout_s=_START_TIMEOUT_S,
+            )  # fmt: skip
+            stack.callback(trainers.shutdown)
+            engines = engine_start.result()
+        if engines is not None:
+            stack.callback(engines.shutdown)
+            urls = engines.urls
+        controller = create_controller(
+            trainers=trainers.actors, engine_urls=urls, sync=config.sync, model=config.model,
+            api_key=config.engines.api_key, timeout_s=_START_TIMEOUT_S,
+        )  # fmt: skip
+        stack.callback(_close_controller, controller)
+        log(f"fleet ready: {len(urls)} engine(s), {len(trainers.actors)} trainer rank(s), "
+            f"{trainers.ranks[0].num_exported_tensors} tensors per sync")  # fmt: skip
+        yield JobActors(urls=tuple(urls), engines=engines, trainers=trainers, controller=controller)
+
+
 class _Fleet:
     """The running actors of one job: engines (launched or given as URLs), trainer ranks and the controller."""
 
@@ -132,38 +185,8 @@ class _Fleet:
     @classmethod
     @contextlib.contextmanager
     def start(cls, config: MilesSyncConfig, *, log: Callable[[str], None]) -> Iterator[_Fleet]:
-        with contextlib.ExitStack() as stack:
-            checkpoint = _checkpoint_dir(config, log=log)
-            placed = _placement(config)
-            if placed is not None:
-                stack.callback(placed.remove)
-            engines = None
-            if config.engines.urls:
-                urls = config.engines.urls
-                log(f"using {len(urls)} running engine server(s): {', '.join(urls)}")
-            else:
-                log(f"starting {config.engines.count} {config.engines.kind.value} engine(s) and "
-                    f"{config.trainer.world_size} trainer rank(s) (TP={config.trainer.tp})")  # fmt: skip
-            # Engines and trainer ranks start at once: each side spends most of its start-up importing.
-            with _Background(_start_engines, config, checkpoint, placed) as engine_start:
-                trainers = create_trainers(
-                    trainer=config.trainer, checkpoint_dir=checkpoint,
-                    num_trained_mtp_layers=config.model.num_trained_mtp_layers, seed=config.seed, placement=placed,
-                    timeout_s=_START_TIMEOUT_S,
-                )  # fmt: skip
-                stack.callback(trainers.shutdown)
-                engines = engine_start.result()
-            if engines is not None:
-                stack.callback(engines.shutdown)
-                urls = engines.urls
-            controller = create_controller(
-                trainers=trainers.actors, engine_urls=urls, sync=config.sync, model=config.model,
-                api_key=config.engines.api_key, timeout_s=_START_TIMEOUT_S,
-            )  # fmt: skip
-            stack.callback(_close_controller, controller)
-            log(f"fleet ready: {len(urls)} engine(s), {len(trainers.actors)} trainer rank(s), "
-                f"{trainers.ranks[0].num_exported_tensors} tensors per sync")  # fmt: skip
-            yield cls(config, urls=urls, trainers=trainers, controller=controller, log=log)
+        with start_job_actors(config, log=log) as actors:
+            yield cls(config, urls=actors.urls, trainers=actors.trainers, controller=actors.controller, log=log)
 
     def weight_version(self) -> str:
         return ray.get(self._controller.weight_version.remote(), timeout=self._config.sync.http_timeout_s)
@@ -238,11 +261,12 @@ def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
     return create_placement_groups(plan, timeout_s=_PLACEMENT_TIMEOUT_S, name_prefix=config.run_name)
 
 
-def _start_engines(config: MilesSyncConfig, checkpoint: str, placed: PlacedGroups | None) -> EngineGroup | None:
+def _start_engines(
+    config: MilesSyncConfig, checkpoint: str, placed: PlacedGroups | None, log_dir: Path
+) -> EngineGroup | None:
     if config.engines.urls:
         return None
     spec = engine_spec(config.engines, model_dir=checkpoint, collective_timeout_s=config.sync.collective_timeout_s)
-    log_dir = Path(config.output_dir) / config.run_name / "engine-logs"
     return create_engines(specs=[spec] * config.engines.count, log_dir=log_dir.resolve(), placement=placed,
                           http_timeout_s=config.sync.http_timeout_s, timeout_s=_START_TIMEOUT_S)  # fmt: skip
 
