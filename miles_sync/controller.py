@@ -287,9 +287,12 @@ class SyncController:
     async def _close_group(self) -> None:
         self._is_open = False
         self._membership = None
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.wait_for(self._source.close(), timeout=self._timeouts.sync_s)
-        await self._destroy_engine_groups()
+        except Exception:
+            await self._destroy_engine_groups()  # the source rank could not ask the engines itself
+        else:
+            self._group_name = None  # the source's transport destroyed the engines' side
 
     async def _destroy_engine_groups(self) -> None:
         """Ask every engine to destroy its side of the current group. The source rank's transport does this when

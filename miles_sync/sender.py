@@ -1,7 +1,7 @@
 """The trainer side of a sync: exported units -> bucket plan -> flattened buckets -> transport.
 
 Double buffering: bucket i+1 is exported and packed (in a worker thread) while bucket i is in flight, into the
-other of two buffers of `bucket_bytes` each; a buffer is reused only after its bucket was acknowledged by every
+other of two buffers of up to `bucket_bytes` each; a buffer is reused only after its bucket was acknowledged by every
 engine. Memory on the source rank stays bounded by two buffers plus the units of the bucket being packed (and one
 unit the planner looked ahead at), never the whole model. On the CPU the two buffers live as long as the sender
 (see `Sender._send_buffers`) and grow only to the largest bucket seen, so a small model never holds `bucket_bytes`;
