@@ -7,12 +7,16 @@ as BLAKE2b; see benchmarks/bench_checksum.py), and hashlib releases the GIL whil
 
 Engines that store weights in a transformed physical layout (AITER shuffle) report *logical* checksums by undoing
 the layout first, so engines with different layouts and the trainer all agree on one value per tensor.
+
+The `sglang_*` functions reproduce what SGLang's own weights checker answers instead: the engine's fused parameter
+names (`qkv_proj`, `gate_up_proj`), the physical bytes, each digest the first 8 bytes of SHA-256 over the raw bytes
+(no header), and SGLang's overall and per-engine digests. Predicting a real server's answer needs them.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -26,6 +30,11 @@ __all__ = [
     "engine_digest",
     "logical_checksum",
     "role_checksums",
+    "sglang_engine_checksum",
+    "sglang_overall_checksum",
+    "sglang_parameter_names",
+    "sglang_reported_name",
+    "sglang_tensor_hash",
     "tensor_checksum",
 ]
 
@@ -109,3 +118,67 @@ def compare_checksums(expected: Mapping[str, str], actual: Mapping[str, str]) ->
         *(f"missing {n}: expected {expected[n]}, not reported" for n in missing),
         *(f"extra {n}: reported {actual[n]}, not expected" for n in extra),
     ]
+
+
+# ---- SGLang's checker -----------------------------------------------------------------------------------------
+
+# (engine parameter, HF parts it concatenates along dim 0 in this order), relative to one module prefix; the
+# parallel linears of SGLang's models (QKVParallelLinear, MergedColumnParallelLinear) own one fused parameter.
+_SGLANG_FUSIONS = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+_SGLANG_FUSED_LEAVES = ("weight", "bias")
+
+
+def sglang_parameter_names(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """{SGLang parameter name: the HF names it holds, concatenated along dim 0 in this order} for one runner.
+
+    q/k/v of one attention become `<prefix>self_attn.qkv_proj.<leaf>`, gate/up become `<prefix>mlp.gate_up_proj.<leaf>`
+    (leaf `weight` or `bias`), only when every part is present; every other name maps to itself alone.
+    """
+    remaining = set(names)
+    result: dict[str, tuple[str, ...]] = {}
+    for name in sorted(remaining):
+        for fused, parts in _SGLANG_FUSIONS:
+            for leaf in _SGLANG_FUSED_LEAVES:
+                first = f"{parts[0]}.{leaf}"
+                head = name[: -len(first)]
+                if not name.endswith(first) or (head and not head.endswith(".")):
+                    continue
+                members = tuple(f"{head}{part}.{leaf}" for part in parts)
+                if all(member in remaining for member in members):
+                    result[f"{head}{fused}.{leaf}"] = members
+    fused_members = {member for members in result.values() for member in members}
+    for name in remaining - fused_members:
+        result[name] = (name,)
+    return result
+
+
+def sglang_reported_name(role_name: str, name: str) -> str:
+    """How SGLang merges its runners' checksum answers: only draft roles are prefixed ("draft.", "draft_step_0.")."""
+    return name if role_name == "target" else f"{role_name}.{name}"
+
+
+def sglang_tensor_hash(t: torch.Tensor) -> str:
+    """SGLang's CPU `tensor_hash` as the checker prints it: the first 8 bytes of SHA-256 over the raw bytes (dtype
+    and shape are not hashed), as 16 lowercase hex digits (big-endian, so the hexdigest's first 16 characters)."""
+    host = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+    return hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+
+
+def sglang_overall_checksum(checksums: Mapping[str, str]) -> str:
+    """SGLang's `overall_checksum`, the per_gpu_checksum: SHA-256 over name then digest, names in sorted order."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+def sglang_engine_checksum(per_gpu_checksums: Sequence[str]) -> str:
+    """SGLang's per_engine_checksum: SHA-256 over every rank's per_gpu_checksum, in rank order."""
+    h = hashlib.sha256()
+    for per_gpu in per_gpu_checksums:
+        h.update(per_gpu.encode())
+    return h.hexdigest()

@@ -111,6 +111,8 @@ class EngineConfig:
     draft_kind: DraftKind = DraftKind.MTP
     spec_steps: int = 3  # draft tokens proposed per verify step; used only with a draft
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
+    # SGLang's --admin-api-key: with one set, admin routes (weight updates, pause, checker) accept only it.
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         problems = []

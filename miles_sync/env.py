@@ -12,6 +12,7 @@ PREFIX = "MILES_SYNC_"
 # The reference engine's API key travels to the server process in its environment, not on its command line: any
 # local user can read a command line (/proc/PID/cmdline), only the owner can read an environment.
 ENGINE_API_KEY_VARIABLE = PREFIX + "ENGINE_API_KEY"
+ENGINE_ADMIN_API_KEY_VARIABLE = PREFIX + "ENGINE_ADMIN_API_KEY"  # the same, for the admin routes' key
 
 
 def _read_str(name: str, default: str) -> str:
@@ -38,6 +39,7 @@ class Environment:
     collective_timeout_s: float
     cache_dir: str  # generated reference checkpoints and other reusable artifacts
     engine_api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr
+    engine_admin_api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr
 
 
 def read_environment() -> Environment:
@@ -47,4 +49,5 @@ def read_environment() -> Environment:
         collective_timeout_s=_read_float("COLLECTIVE_TIMEOUT_S", 120.0),
         cache_dir=os.path.expanduser(_read_str("CACHE_DIR", "~/.cache/miles_sync")),
         engine_api_key=os.environ.get(ENGINE_API_KEY_VARIABLE),
+        engine_admin_api_key=os.environ.get(ENGINE_ADMIN_API_KEY_VARIABLE),
     )

@@ -12,6 +12,7 @@ keys than these records, so clients decode them with `allow_unknown=True`.
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ __all__ = [
     "QUERY_ENDPOINTS",
     "RESPONSES",
     "BeginWeightUpdateRequest",
+    "ChecksumNames",
     "ContinueGenerationRequest",
     "DestroyWeightsUpdateGroupRequest",
     "EndWeightUpdateRequest",
@@ -59,10 +61,12 @@ __all__ = [
     "WeightsCheckerRequest",
     "WeightsCheckerResult",
     "WireEnum",
+    "checksum_role",
     "decode",
     "dtype_from_wire",
     "dtype_to_wire",
     "encode",
+    "role_kind",
     "selector_roles",
 ]
 
@@ -85,10 +89,52 @@ class Selector(WireEnum):
 
 
 class Role(WireEnum):
-    """The part an engine runner plays: the target model, or the speculative draft."""
+    """The part an engine runner plays: the target model, or the speculative draft.
+
+    On the wire a draft runner may also be named `draft_step_<i>` (SGLang's multi-layer EAGLE runs one draft runner
+    per step); `role_kind` maps every reported role name onto this enum.
+    """
 
     TARGET = "target"
     DRAFT = "draft"
+
+
+_DRAFT_STEP_ROLE = re.compile(r"draft_step_(0|[1-9][0-9]{0,3})")
+
+
+def role_kind(role_name: str) -> Role:
+    """The Role of a reported role name: "target", "draft" or "draft_step_<i>". ValueError for anything else."""
+    if role_name in (Role.TARGET.value, Role.DRAFT.value):
+        return Role(role_name)
+    if isinstance(role_name, str) and _DRAFT_STEP_ROLE.fullmatch(role_name):
+        return Role.DRAFT
+    raise ValueError(f"role {role_name!r} is not one of 'target', 'draft', 'draft_step_<i>'")
+
+
+def checksum_role(reported_name: str) -> tuple[str, str]:
+    """(role name, tensor name) of a name in a checksum answer. Only draft roles are prefixed ("draft.x",
+    "draft_step_0.x", as SGLang merges its runners' answers); an unprefixed name is the target's."""
+    head, dot, rest = reported_name.partition(".")
+    if dot and head != Role.TARGET.value:
+        try:
+            role_kind(head)
+        except ValueError:
+            return Role.TARGET.value, reported_name
+        return head, rest
+    return Role.TARGET.value, reported_name
+
+
+class ChecksumNames(WireEnum):
+    """What an engine's /weights_checker checksum answer names and hashes (the reference engine reports it in
+    /get_server_info as `miles_sync_checksum_names`; a server without the key answers as SGLang does, ENGINE).
+
+    HF: the trainer's HF names in logical layout, full SHA-256 (the reference engine's default), so the trainer's
+    checksums can be compared tensor by tensor. ENGINE: the engine's own parameters (fused names, its TP shard,
+    after post-processing, 64-bit digests), what SGLang answers; only replicas can be compared with each other.
+    """
+
+    HF = "hf"
+    ENGINE = "engine"
 
 
 class PauseMode(WireEnum):
@@ -312,7 +358,7 @@ class FlushCacheResult:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelismInfo:
-    role: Role
+    role: str  # "target", "draft" or "draft_step_<i>" (see role_kind)
     tp_rank: int
     tp_size: int
     dp_rank: int
@@ -322,10 +368,13 @@ class ParallelismInfo:
     rank: int
     size: int
 
+    def __post_init__(self) -> None:
+        role_kind(self.role)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankChecksums:
-    """Checksums of one engine TP rank; draft-role names carry the prefix "draft."."""
+    """Checksums of one engine TP rank; draft-role names carry their role as prefix ("draft.", "draft_step_0.")."""
 
     checksums: dict[str, str]  # name -> hex digest
     per_gpu_checksum: str

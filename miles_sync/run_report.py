@@ -134,10 +134,11 @@ def package_versions() -> dict[str, str]:
 
 
 def config_record(config: MilesSyncConfig) -> dict[str, Any]:
-    """The config as plain data, with the engines' API key masked (keys never reach reports)."""
+    """The config as plain data, with the engines' API keys masked (keys never reach reports)."""
     data = encode(config)
-    if data["engines"].get("api_key") is not None:
-        data["engines"]["api_key"] = "***"
+    for key in ("api_key", "admin_api_key"):
+        if data["engines"].get(key) is not None:
+            data["engines"][key] = "***"
     return data
 
 

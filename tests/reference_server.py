@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE
+
 if TYPE_CHECKING:
     from miles_sync.transport import UpdateGroup
 
@@ -31,11 +33,21 @@ _LISTENING = "listening on "
 class ServerProcess:
     """A running `serve` subprocess and a minimal JSON client for it."""
 
-    def __init__(self, *, url: str, process: subprocess.Popen, log_path: Path, api_key: str | None) -> None:
+    def __init__(
+        self, *, url: str, process: subprocess.Popen, log_path: Path, api_key: str | None,
+        admin_api_key: str | None = None,
+    ) -> None:  # fmt: skip
         self.url = url
         self.process = process
         self.log_path = log_path
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
+
+    def with_keys(self, *, api_key: str | None, admin_api_key: str | None = None) -> ServerProcess:
+        """The same server, called with other keys."""
+        return ServerProcess(
+            url=self.url, process=self.process, log_path=self.log_path, api_key=api_key, admin_api_key=admin_api_key
+        )
 
     def post(
         self, path: str, body: Any = None, *, timeout_s: float = 60.0, auth: bool = True, raw: bytes | None = None
@@ -60,14 +72,24 @@ class ServerProcess:
 
     def _call(self, method: str, path: str, data: bytes | None, *, timeout_s: float, auth: bool) -> tuple[int, Any]:
         headers = {"Content-Type": "application/json"}
-        if auth and self.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        # The key each route takes, as SGLang decides it: admin routes take the admin key when there is one.
+        key = self.admin_api_key if self.admin_api_key is not None and _is_admin(method, path) else self.api_key
+        if auth and key is not None:
+            headers["Authorization"] = f"Bearer {key}"
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return response.status, _parse(response.read(), response.headers.get_content_type())
         except urllib.error.HTTPError as error:
             return error.code, _parse(error.read(), error.headers.get_content_type())
+
+
+def _is_admin(method: str, path: str) -> bool:
+    from miles_sync.engine.reference.server import ADMIN_PATHS
+
+    route = path.split("?", 1)[0]
+    get_routes = {"/flush_cache"}  # the only admin route also served on GET
+    return route in ADMIN_PATHS and (method == "POST" or route in get_routes)
 
 
 def _parse(raw: bytes, content_type: str) -> Any:
@@ -88,13 +110,17 @@ def reference_server(
     finalize_policy: str = "strict",
     spec_steps: int = 3,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
+    checksum_names: str | None = None,
+    draft_role: str | None = None,
     host: str | None = "127.0.0.1",
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = 120.0,
 ) -> Iterator[ServerProcess]:
     """Start `serve` (one torch thread, loopback, OS-chosen port); yield once /health answers; always kill it.
-    `host=None` passes no --host, so serve picks its own default."""
+    `host=None` passes no --host, so serve picks its own default. The API key goes on the command line, the admin
+    key through its environment variable (as EngineLauncher passes both); None options are not passed."""
     args = [
         sys.executable, "-m", "miles_sync.engine.reference.serve",
         "--model", str(model), "--draft-kind", draft_kind, "--weight-layout", weight_layout,
@@ -107,14 +133,23 @@ def reference_server(
         args += ["--draft", str(draft)]
     if api_key is not None:
         args += ["--api-key", api_key]
+    if checksum_names is not None:
+        args += ["--checksum-names", checksum_names]
+    if draft_role is not None:
+        args += ["--draft-role", draft_role]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"serve-{draft_kind}-{finalize_policy}-{time.monotonic_ns()}.log"
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if env is None else env)}
+    child_env.pop(ENGINE_ADMIN_API_KEY_VARIABLE, None)
+    if admin_api_key is not None:
+        child_env[ENGINE_ADMIN_API_KEY_VARIABLE] = admin_api_key
     with open(log_path, "w") as log:
         process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=child_env)
     try:
         url = _read_url(process, timeout_s=startup_timeout_s, log_path=log_path)
-        server = ServerProcess(url=url, process=process, log_path=log_path, api_key=api_key)
+        server = ServerProcess(
+            url=url, process=process, log_path=log_path, api_key=api_key, admin_api_key=admin_api_key
+        )
         _wait_healthy(server, timeout_s=startup_timeout_s)
         yield server
     finally:

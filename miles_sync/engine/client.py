@@ -25,6 +25,7 @@ import aiohttp
 
 from miles_sync.codec import decode, encode
 from miles_sync.protocol import (
+    ChecksumNames,
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -57,10 +58,16 @@ __all__ = [
 
 R = TypeVar("R")
 
+# Paths SGLang also serves on GET (a GET runs the handler): probed with a body its validation refuses instead.
+_SERVED_ON_GET = frozenset({"/weights_checker"})
+# SGLang's ADMIN_OPTIONAL routes: with an admin key configured they accept only that key (srt/utils/auth.py).
+_OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
+_NORMAL_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/get_server_info", "/get_draft_report"})
+
 # Added to SGLang 0.5.23 for update sessions; older servers lack them and would finalize on every payload.
 SESSION_ENDPOINTS: tuple[str, ...] = ("/begin_weight_update", "/end_weight_update")
-# POST-only endpoints every sync uses; each transport adds its own (transport.base.TRANSPORTS). /flush_cache is
-# left out of the probe on purpose: SGLang also serves it on GET, so probing it would flush the cache.
+# Endpoints every sync uses; each transport adds its own (transport.base.TRANSPORTS). /flush_cache is left out of
+# the probe on purpose: SGLang also serves it on GET and runs it for any body, so any probe would flush the cache.
 CONTROL_ENDPOINTS: tuple[str, ...] = (
     *SESSION_ENDPOINTS,
     "/update_weight_version",
@@ -94,16 +101,23 @@ def _rebuild_engine_error(url: str, endpoint: str, status: int | None, message: 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerInfo:
-    """The part of /get_server_info a sync needs; real servers send many more keys, which are ignored."""
+    """The part of /get_server_info a sync needs; real servers send many more keys, which are ignored.
+
+    `miles_sync_checksum_names` is sent by the reference engine only; a server without it (SGLang) answers
+    engine-parameter digests.
+    """
 
     tp_size: int = 1
     speculative_algorithm: str | None = None
+    miles_sync_checksum_names: ChecksumNames = ChecksumNames.ENGINE
 
 
 class EngineClient:
     """HTTP client of one engine. Async; bound to one event loop; `close()` when done (or use `async with`).
 
     `flush_drain_s`: how long `flush_cache` keeps retrying while the engine answers 400 (requests still draining).
+    `api_key` / `admin_api_key`: SGLang's `--api-key` / `--admin-api-key`; each route gets the key its auth level
+    takes. `info` is the server info read by `connect()`.
     """
 
     def __init__(
@@ -112,6 +126,7 @@ class EngineClient:
         *,
         timeout_s: float,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         flush_drain_s: float = 30.0,
         flush_backoff_s: tuple[float, float] = (0.02, 1.0),
     ) -> None:
@@ -128,7 +143,12 @@ class EngineClient:
             raise ValueError("; ".join(problems))
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        # SGLang's auth: rollout routes take the API key; admin routes take the admin key when the server has one
+        # (the plain key is refused there), else the API key; health routes take none.
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        admin_key = api_key if admin_api_key is None else admin_api_key
+        self._admin_headers = {} if admin_key is None else {"Authorization": f"Bearer {admin_key}"}
+        self.info: ServerInfo | None = None  # set by connect()
         self._flush_drain_s = flush_drain_s
         self._flush_backoff_s = flush_backoff_s
         self._session: aiohttp.ClientSession | None = None
@@ -153,8 +173,11 @@ class EngineClient:
     async def connect(self, *, required: Sequence[str] = CONTROL_ENDPOINTS) -> ServerInfo:
         """Check the server answers and serves every `required` POST endpoint; return its server info.
 
-        The probe is a GET to each POST-only path: a server answers 405 (method not allowed) for a route it has
-        and 404 for one it lacks, and no handler runs. Raises EngineError naming every missing endpoint.
+        The probe never runs a handler: a GET to a POST-only path answers 405 (method not allowed) for a route the
+        server has and 404 for one it lacks. SGLang also serves /weights_checker on GET, where a GET would run a
+        full checksum; that path is probed with a POST whose body is not an object, which SGLang's validation
+        answers 422 (the reference engine 400) before any handler runs. Raises EngineError naming every missing
+        endpoint.
         """
         info = await self.server_info()
         statuses = await asyncio.gather(*(self._probe(path) for path in required))
@@ -167,10 +190,15 @@ class EngineClient:
                 message=f"server lacks the endpoint(s) {', '.join(missing)} that weight sync needs "
                 f"(SGLang with update sessions and selectors, or the miles_sync reference engine)",
             )
+        self.info = info
         return info
 
     async def _probe(self, path: str) -> int:
-        status, body = await self._request("GET", path, timeout_s=None)
+        if path in _SERVED_ON_GET:
+            status, body = await self._request("POST", path, json_body=[], timeout_s=None)
+        else:
+            # A method SGLang's route does not match resolves to the NORMAL auth level: the API key, if any.
+            status, body = await self._request("GET", path, timeout_s=None, headers=self._headers)
         if status in (401, 403):
             raise EngineError(url=self.url, endpoint=path, status=status, message=f"not authorized: {body}")
         return status
@@ -320,6 +348,11 @@ class EngineClient:
         if result.status != "ok":
             raise EngineError(url=self.url, endpoint=endpoint, status=200, message=f"{result.status}: {result.message}")
 
+    def _headers_for(self, endpoint: str) -> dict[str, str]:
+        if endpoint.startswith(_OPEN_PATH_PREFIXES):
+            return {}
+        return self._headers if endpoint in _NORMAL_PATHS else self._admin_headers
+
     async def _get_json(self, endpoint: str, *, timeout_s: float | None) -> Any:
         status, body = await self._request("GET", endpoint, timeout_s=timeout_s)
         return self._json_or_raise(endpoint, status, body)
@@ -332,17 +365,19 @@ class EngineClient:
         timeout_s: float | None,
         json_body: Any = None,
         params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, str]:
         """(status, body text) of one call; EngineError(status=None) when no answer came within the timeout."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers)
+            self._session = aiohttp.ClientSession()
         try:
             async with self._session.request(
                 method,
                 self.url + endpoint,
                 json=json_body,
                 params=params,
+                headers=self._headers_for(endpoint) if headers is None else headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 return response.status, await response.text()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from miles_sync.config import EngineConfig, EngineKind, FinalizePolicy
 from miles_sync.engine.client import EngineClient
-from miles_sync.env import ENGINE_API_KEY_VARIABLE
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 from miles_sync.layout import WeightLayout
 from miles_sync.protocol import GenerateRequest, SamplingParams
 from miles_sync.selector import DraftKind
@@ -83,9 +83,13 @@ class ReferenceEngineSpec:
     num_threads: int | None = 1  # torch intra-op threads of the server; None: torch's default
     collective_timeout_s: float | None = None  # None: the server's default (MILES_SYNC_COLLECTIVE_TIMEOUT_S)
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
+    admin_api_key: str | None = field(default=None, repr=False)  # the admin routes' key; a secret as well
 
     def __post_init__(self) -> None:
         problems = []
+        for what, key in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key)):
+            if key is not None and not key:
+                problems.append(f"{what} must be None or a non-empty string")
         if self.spec_steps < 1:
             problems.append(f"spec_steps={self.spec_steps} must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:
@@ -115,7 +119,9 @@ class ReferenceEngineSpec:
             argv += ["--threads", str(self.num_threads)]
         if self.collective_timeout_s is not None:
             argv += ["--collective-timeout-s", str(self.collective_timeout_s)]
-        secrets = {} if self.api_key is None else {ENGINE_API_KEY_VARIABLE: self.api_key}
+        # Keys travel in the environment, never on the command line (readable by every local user).
+        keys = ((ENGINE_API_KEY_VARIABLE, self.api_key), (ENGINE_ADMIN_API_KEY_VARIABLE, self.admin_api_key))
+        secrets = {variable: key for variable, key in keys if key is not None}
         return LaunchCommand(argv=tuple(argv), url=None, env=secrets)
 
 
@@ -127,6 +133,7 @@ class SGLangEngineSpec:
     tp_size: int = 1
     extra_args: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
+    admin_api_key: str | None = field(default=None, repr=False)  # SGLang's --admin-api-key; a secret as well
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -139,8 +146,10 @@ class SGLangEngineSpec:
             "--model-path", self.model_path, "--host", host, "--port", str(port), "--tp-size", str(self.tp_size),
             *self.extra_args,
         ]  # fmt: skip
-        if self.api_key is not None:  # SGLang reads its key from the command line only
+        if self.api_key is not None:  # SGLang reads its keys from the command line only
             argv += ["--api-key", self.api_key]
+        if self.admin_api_key is not None:
+            argv += ["--admin-api-key", self.admin_api_key]
         return LaunchCommand(argv=tuple(argv), url=f"http://{_url_host(host)}:{port}")
 
 
@@ -152,7 +161,7 @@ def engine_spec(
 ) -> EngineSpec:
     """The launch spec of one engine of `engines` serving `model_dir`. Pure."""
     if engines.kind is EngineKind.SGLANG:
-        return SGLangEngineSpec(model_path=model_dir, api_key=engines.api_key)
+        return SGLangEngineSpec(model_path=model_dir, api_key=engines.api_key, admin_api_key=engines.admin_api_key)
     return ReferenceEngineSpec(
         model_dir=model_dir,
         draft_kind=engines.draft_kind,
@@ -162,6 +171,7 @@ def engine_spec(
         spec_steps=engines.spec_steps,
         collective_timeout_s=collective_timeout_s,
         api_key=engines.api_key,
+        admin_api_key=engines.admin_api_key,
     )
 
 
@@ -201,7 +211,8 @@ class EngineLauncher:
         self._startup_timeout_s = startup_timeout_s
         self._stop_timeout_s = stop_timeout_s
         self._env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if env is None else dict(env))}
-        self._env.pop(ENGINE_API_KEY_VARIABLE, None)  # only the spec decides whether the server wants a key
+        for variable in (ENGINE_API_KEY_VARIABLE, ENGINE_ADMIN_API_KEY_VARIABLE):
+            self._env.pop(variable, None)  # only the spec decides whether the server wants a key
         self._process: subprocess.Popen | None = None
         self._url: str | None = None
         self._log_path: Path | None = None

@@ -156,14 +156,45 @@ def test_api_key(engine):
         with pytest.raises(EngineError) as flush:
             await client.flush_cache()
         flush_s = time.monotonic() - start
-        response = await client.generate(greedy(2))  # rollout traffic stays open
-        return refused.value, flush.value, flush_s, response
+        with pytest.raises(EngineError) as rollout:  # as on SGLang, an API key guards rollout routes too
+            await client.generate(greedy(2))
+        await client.health_generate()  # health routes never need a key
+        return refused.value, flush.value, flush_s, rollout.value
 
-    refused, flush, flush_s, response = run(without_key, engine.url, api_key=None, flush_drain_s=30.0)
-    assert refused.status == 401 and "Authorization: Bearer" in refused.message and API_KEY not in str(refused)
+    refused, flush, flush_s, rollout = run(without_key, engine.url, api_key=None, flush_drain_s=30.0)
+    assert refused.status == 401 and API_KEY not in str(refused)
     assert flush.status == 401 and flush_s < 5.0  # a 401 is not a drain: no retries
+    assert rollout.status == 401
+    response = run(lambda client: client.generate(greedy(2)), engine.url)
     assert response.meta_info.completion_tokens == 2
     assert "test-key" not in repr(EngineClient(engine.url, timeout_s=1.0, api_key=API_KEY))
+
+
+def test_admin_key_goes_to_admin_routes_and_the_api_key_to_rollout_routes(reference_checkpoints, tmp_path):
+    """SGLang's auth levels: with --admin-api-key set, admin routes take only that key, rollout routes only the
+    API key; the client sends each route the key it takes, and connect() probes without running a checksum."""
+    admin_key = "admin-test-key"
+
+    async def with_keys(client):
+        info = await client.connect()
+        await client.pause_generation(PauseMode.ABORT)
+        await client.continue_generation()
+        response = await client.generate(greedy(2))
+        return info, response
+
+    async def plain_key_on_admin_routes(client):
+        with pytest.raises(EngineError) as refused:
+            await client.pause_generation(PauseMode.ABORT)
+        return refused.value
+
+    with reference_server(
+        model=reference_checkpoints / "target", log_dir=tmp_path, api_key=API_KEY, admin_api_key=admin_key
+    ) as server:
+        info, response = run(with_keys, server.url, admin_api_key=admin_key)
+        refused = run(plain_key_on_admin_routes, server.url)
+    assert info.miles_sync_checksum_names.value == "hf" and response.meta_info.completion_tokens == 2
+    assert refused.status == 401 and admin_key not in str(refused) and API_KEY not in str(refused)
+    assert admin_key not in repr(EngineClient(server.url, timeout_s=1.0, api_key=API_KEY, admin_api_key=admin_key))
 
 
 def test_no_server_is_an_error_not_a_hang():

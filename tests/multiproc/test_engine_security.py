@@ -1,8 +1,10 @@
-"""Engine security: `serve` binds loopback by default; with an API key every admin route refuses a missing or wrong
-key with 401 while the health and rollout routes stay open; the key never reaches logs, info answers or reports.
+"""Engine security: `serve` binds loopback by default; keys guard routes exactly as SGLang's `decide_request_auth`
+(an API key guards every route but /health*; an admin key, when set, is the only key admin routes take, and normal
+routes never take it); the keys never reach logs, info answers or reports.
 
-Extends test_reference_server.py::test_api_key_guards_every_admin_endpoint (missing key, POST, the ADMIN_PATHS
-list) with routes enumerated from the app itself (every method), wrong-key variants, and leak checks.
+Extends test_reference_server.py::test_api_key_guards_every_admin_endpoint with routes enumerated from the app
+itself (every method), wrong-key variants, both keys, and leak checks. The pure decision table is in
+tests/unit/test_engine_auth.py.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from reference_server import ServerProcess, checkpoint_tensors, mtp_names, refer
 
 from miles_sync.config import EngineConfig, MilesSyncConfig
 from miles_sync.engine.client import EngineClient, EngineError
-from miles_sync.engine.launcher import ReferenceEngineSpec, SGLangEngineSpec
-from miles_sync.engine.reference.server import ADMIN_PATHS, OPEN_PATHS, ServerSettings, create_app
+from miles_sync.engine.launcher import ReferenceEngineSpec, SGLangEngineSpec, engine_spec
+from miles_sync.engine.reference.server import ADMIN_PATHS, HEALTH_PATHS, NORMAL_PATHS, ServerSettings, create_app
 from miles_sync.engine.reference.serve import build_engine, parse_args
-from miles_sync.env import ENGINE_API_KEY_VARIABLE
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 from miles_sync.protocol import Selector, UpdateWeightsFromTensorRequest
 from miles_sync.run_report import RunReport, config_record
 from miles_sync.tensor_payload import encode_named_tensors
@@ -31,6 +33,7 @@ from miles_sync.trainer import SenderSettings
 
 API_KEY = "sk-sec-7f3a91c2e5"
 WRONG_KEY = "sk-sec-0000bad"
+ADMIN_KEY = "sk-admin-5d2e8b0a41"
 TIMEOUT_S = 60.0
 _LOOPBACK_HOSTS = ("127.0.0.1", "[::1]")
 
@@ -83,14 +86,25 @@ def test_serve_without_a_host_argument_listens_on_loopback_only(reference_checkp
         assert any(address.endswith(":" + url.rsplit(":", 1)[1]) for address in addresses), (url, addresses)
 
 
-# ---- API key on every route ---------------------------------------------------------------------------------------
+# ---- keys on every route, as SGLang decides them --------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def keyed(reference_checkpoints, tmp_path_factory) -> Iterator[ServerProcess]:
+    """An API key only: it guards every route but /health*."""
     with reference_server(
         model=reference_checkpoints / "target", draft_kind="mtp", weight_layout="aiter", api_key=API_KEY,
         log_dir=tmp_path_factory.mktemp("keyed"),
+    ) as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="module")
+def both_keys(reference_checkpoints, tmp_path_factory) -> Iterator[ServerProcess]:
+    """An API key and an admin key (passed through its environment variable)."""
+    with reference_server(
+        model=reference_checkpoints / "target", api_key=API_KEY, admin_api_key=ADMIN_KEY,
+        log_dir=tmp_path_factory.mktemp("both-keys"),
     ) as server:  # fmt: skip
         yield server
 
@@ -103,7 +117,7 @@ def app_routes(reference_checkpoints) -> list[tuple[str, str]]:
     try:
         settings = ServerSettings(model_path=args.model, draft_kind="mtp", weight_layout="none", spec_steps=3,
                                   generate_timeout_s=TIMEOUT_S)  # fmt: skip
-        app = create_app(engine, settings=settings, api_key=API_KEY, num_threads=1)
+        app = create_app(engine, settings=settings, api_key=API_KEY, admin_api_key=ADMIN_KEY, num_threads=1)
         return sorted({(route.method, route.resource.canonical) for route in app.router.routes()})
     finally:
         engine.shutdown()
@@ -122,8 +136,20 @@ def _send(url: str, method: str, path: str, *, authorization: str | None, body: 
         return error.code, error.read().decode(errors="replace")
 
 
-def _body_for(method: str) -> bytes | None:
+def _body_for(method: str, path: str) -> bytes | None:
+    if path == "/generate":
+        return json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}).encode()
     return b"{}" if method == "POST" else None
+
+
+def _bearer(key: str) -> str:
+    return f"Bearer {key}"
+
+
+def _restore(server: ServerProcess) -> None:
+    """Undo what empty-bodied admin calls did: /pause_generation {} paused, /begin_weight_update {} opened."""
+    server.post("/continue_generation", {}, timeout_s=TIMEOUT_S)
+    server.post("/end_weight_update", timeout_s=TIMEOUT_S)
 
 
 # Authorization headers that must not pass: none, wrong key, the key altered, the key without the Bearer scheme.
@@ -138,44 +164,117 @@ _BAD_AUTHORIZATIONS = {
 }
 
 
-def test_every_route_is_either_admin_or_deliberately_open(app_routes):
+def test_every_route_has_exactly_one_auth_class(app_routes):
     paths = {path for _, path in app_routes}
-    assert paths - (ADMIN_PATHS | OPEN_PATHS) == set(), "a route the key policy does not classify"
-    assert ADMIN_PATHS <= paths and OPEN_PATHS <= paths
-    assert {"/health_generate", "/health"} <= OPEN_PATHS and not {"/health_generate", "/health"} & ADMIN_PATHS
+    classes = (ADMIN_PATHS, NORMAL_PATHS, HEALTH_PATHS)
+    assert paths == ADMIN_PATHS | NORMAL_PATHS | HEALTH_PATHS, "a route the key policy does not classify"
+    assert all(not a & b for i, a in enumerate(classes) for b in classes[i + 1 :])
+    assert HEALTH_PATHS == {"/health_generate", "/health"}
+    assert {"/generate", "/model_info", "/get_server_info"} <= NORMAL_PATHS
+    assert {"/weights_checker", "/pause_generation", "/continue_generation", "/flush_cache"} <= ADMIN_PATHS
 
 
 @pytest.mark.parametrize("authorization", sorted(_BAD_AUTHORIZATIONS))
-def test_every_admin_route_refuses_a_missing_or_wrong_key(keyed, app_routes, authorization):
+def test_with_an_api_key_every_route_but_health_refuses_a_missing_or_wrong_key(keyed, app_routes, authorization):
     header = _BAD_AUTHORIZATIONS[authorization]
-    admin = [(method, path) for method, path in app_routes if path in ADMIN_PATHS]
-    assert admin
-    for method, path in admin:
-        status, text = _send(keyed.url, method, path, authorization=header, body=_body_for(method))
+    guarded = [(method, path) for method, path in app_routes if path not in HEALTH_PATHS]
+    assert {path for _, path in guarded} == ADMIN_PATHS | NORMAL_PATHS
+    for method, path in guarded:
+        status, text = _send(keyed.url, method, path, authorization=header, body=_body_for(method, path))
         assert status == 401, (method, path, status, text)
         if method != "HEAD":
             assert "needs 'Authorization: Bearer <api key>'" in json.loads(text)["message"], text
         assert API_KEY not in text and WRONG_KEY not in text
+    for path in sorted(HEALTH_PATHS):
+        assert _send(keyed.url, "GET", path, authorization=header)[0] == 200, path
 
 
-def test_open_routes_answer_without_a_key_and_admin_routes_accept_the_key(keyed, app_routes):
-    for method, path in app_routes:
-        if path not in OPEN_PATHS:
-            continue
-        body = _body_for(method)
-        if path == "/generate":
-            body = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}).encode()
-        status, text = _send(keyed.url, method, path, authorization=None, body=body)
-        assert status == 200, (method, path, status, text)
-    # The refusals above are about the key: with it, no admin route answers 401 (empty bodies: no weight changes).
+def test_with_an_api_key_the_key_opens_every_route_and_probes_keep_404_405(keyed, app_routes):
     try:
         for method, path in app_routes:
-            if path in ADMIN_PATHS:
-                status, text = _send(keyed.url, method, path, authorization=f"Bearer {API_KEY}", body=_body_for(method))
-                assert status != 401, (method, path, text)
+            body = _body_for(method, path)
+            status, text = _send(keyed.url, method, path, authorization=_bearer(API_KEY), body=body)
+            assert status != 401, (method, path, text)
+            if path in NORMAL_PATHS:
+                assert status == 200, (method, path, status, text)
     finally:
-        keyed.post("/continue_generation", {})  # /pause_generation {} paused it
-        keyed.post("/end_weight_update")  # /begin_weight_update {} opened a session
+        _restore(keyed)
+    # Unknown paths and wrong methods are SGLang's NORMAL level: the API key, then their 404/405.
+    assert _send(keyed.url, "POST", "/no_such_endpoint", authorization=None, body=b"{}")[0] == 401
+    assert _send(keyed.url, "POST", "/no_such_endpoint", authorization=_bearer(API_KEY), body=b"{}")[0] == 404
+    assert _send(keyed.url, "GET", "/update_weights_from_tensor", authorization=None)[0] == 401
+    assert _send(keyed.url, "GET", "/update_weights_from_tensor", authorization=_bearer(API_KEY))[0] == 405
+    assert _send(keyed.url, "GET", "/healthz", authorization=None)[0] == 404  # /health* is open by prefix
+
+
+def test_with_an_admin_key_admin_routes_take_only_it_and_normal_routes_only_the_api_key(both_keys, app_routes):
+    try:
+        for method, path in app_routes:
+            body = _body_for(method, path)
+            api = _send(both_keys.url, method, path, authorization=_bearer(API_KEY), body=body)
+            admin = _send(both_keys.url, method, path, authorization=_bearer(ADMIN_KEY), body=body)
+            if path in ADMIN_PATHS:
+                assert api[0] == 401 and admin[0] != 401, (method, path, api, admin)
+                if method != "HEAD":
+                    assert "needs 'Authorization: Bearer <admin api key>'" in json.loads(api[1])["message"]
+            elif path in NORMAL_PATHS:
+                assert api[0] == 200 and admin[0] == 401, (method, path, api, admin)
+                if method != "HEAD":
+                    assert "needs 'Authorization: Bearer <api key>'" in json.loads(admin[1])["message"]
+            else:
+                assert api[0] == admin[0] == 200, (method, path, api, admin)
+            for text in (api[1], admin[1]):
+                assert API_KEY not in text and ADMIN_KEY not in text
+    finally:
+        _restore(both_keys)
+    # A wrong method never reaches the admin level: the admin key does not open it, the API key gets its 405.
+    assert _send(both_keys.url, "GET", "/begin_weight_update", authorization=_bearer(ADMIN_KEY))[0] == 401
+    assert _send(both_keys.url, "GET", "/begin_weight_update", authorization=_bearer(API_KEY))[0] == 405
+
+
+def test_with_only_an_admin_key_normal_routes_are_open(reference_checkpoints, tmp_path):
+    with reference_server(model=reference_checkpoints / "target", admin_api_key=ADMIN_KEY, log_dir=tmp_path) as server:
+        for path in sorted(NORMAL_PATHS - {"/generate"}):
+            assert server.get(path, auth=False)[0] == 200, path
+        assert _send(server.url, "POST", "/generate", authorization=None, body=_body_for("POST", "/generate"))[0] == 200
+        status, answer = server.post("/begin_weight_update", {"selector": "target"}, auth=False)
+        assert status == 401 and "<admin api key>" in answer["message"]
+        assert server.ok("/weights_checker", {"action": "checksum"})["success"]  # with the admin key
+        assert _send(server.url, "GET", "/begin_weight_update", authorization=None)[0] == 405
+        assert _send(server.url, "POST", "/nope", authorization=None, body=b"{}")[0] == 404
+        assert ADMIN_KEY not in server.log_tail(10**6)
+
+
+async def _sync_with_both_keys(url: str, weights: list) -> EngineError:
+    """The library's client: the API key alone cannot open a session; with both keys a whole session runs."""
+    async with EngineClient(url, timeout_s=TIMEOUT_S, api_key=API_KEY) as api_only:
+        await api_only.server_info()  # a normal route: the API key is the one it takes
+        try:
+            await api_only.begin_weight_update(Selector.TARGET)
+        except EngineError as error:
+            refused = error
+        else:
+            raise AssertionError("the API key opened a session on a server with an admin key")
+    async with EngineClient(url, timeout_s=TIMEOUT_S, api_key=API_KEY, admin_api_key=ADMIN_KEY) as client:
+        await client.connect()
+        await client.begin_weight_update(Selector.TARGET)
+        request = UpdateWeightsFromTensorRequest(
+            serialized_named_tensors=(encode_named_tensors(weights),), selector=Selector.TARGET
+        )
+        await client.update_weights_from_tensor(request)
+        await client.end_weight_update()
+    return refused
+
+
+def test_the_client_syncs_with_both_keys_and_never_leaks_them(both_keys, reference_checkpoints):
+    target = reference_checkpoints / "target"
+    skip = mtp_names(target)
+    weights = sorted((n, t) for n, t in checkpoint_tensors(target).items() if n not in skip)
+    refused = asyncio.run(_sync_with_both_keys(both_keys.url, weights))
+    assert refused.status == 401 and API_KEY not in str(refused) and ADMIN_KEY not in str(refused)
+    log = both_keys.log_path.read_text(errors="replace")
+    assert "api key set, admin api key set" in log
+    assert API_KEY not in log and ADMIN_KEY not in log
 
 
 # ---- the key never leaks ------------------------------------------------------------------------------------------
@@ -234,9 +333,12 @@ def test_engine_config_repr_hides_the_key():  # frozen dataclasses print every f
     assert API_KEY not in repr(config.engines) and API_KEY not in repr(config) and API_KEY not in str(config)
 
 
-def test_engine_spec_repr_hides_the_key():
-    specs = [ReferenceEngineSpec(model_dir="m", api_key=API_KEY), SGLangEngineSpec(model_path="m", api_key=API_KEY)]
-    assert all(API_KEY not in repr(spec) for spec in specs)
+def test_engine_spec_repr_hides_the_keys():
+    specs = [
+        ReferenceEngineSpec(model_dir="m", api_key=API_KEY, admin_api_key=ADMIN_KEY),
+        SGLangEngineSpec(model_path="m", api_key=API_KEY, admin_api_key=ADMIN_KEY),
+    ]
+    assert all(API_KEY not in repr(spec) and ADMIN_KEY not in repr(spec) for spec in specs)
 
 
 def test_sender_settings_repr_hides_the_key():
@@ -245,7 +347,17 @@ def test_sender_settings_repr_hides_the_key():
     assert API_KEY not in repr(settings)
 
 
-def test_launcher_passes_the_reference_engines_key_outside_its_command_line():
-    command = ReferenceEngineSpec(model_dir="m", api_key=API_KEY).command(host="127.0.0.1")
-    assert API_KEY not in " ".join(command.argv)  # /proc/PID/cmdline is readable by every local user
-    assert command.env == {ENGINE_API_KEY_VARIABLE: API_KEY} and API_KEY not in repr(command)
+def test_launcher_passes_the_reference_engines_keys_outside_its_command_line():
+    command = ReferenceEngineSpec(model_dir="m", api_key=API_KEY, admin_api_key=ADMIN_KEY).command(host="127.0.0.1")
+    argv = " ".join(command.argv)
+    assert API_KEY not in argv and ADMIN_KEY not in argv  # /proc/PID/cmdline is readable by every local user
+    assert command.env == {ENGINE_API_KEY_VARIABLE: API_KEY, ENGINE_ADMIN_API_KEY_VARIABLE: ADMIN_KEY}
+    assert API_KEY not in repr(command) and ADMIN_KEY not in repr(command)
+    admin_only = ReferenceEngineSpec(model_dir="m", admin_api_key=ADMIN_KEY).command(host="127.0.0.1")
+    assert admin_only.env == {ENGINE_ADMIN_API_KEY_VARIABLE: ADMIN_KEY}
+
+
+def test_engine_spec_takes_the_admin_key_from_the_config():
+    engines = EngineConfig(api_key=API_KEY, admin_api_key=ADMIN_KEY)
+    spec = engine_spec(engines, model_dir="m")
+    assert spec.api_key == API_KEY and spec.admin_api_key == ADMIN_KEY

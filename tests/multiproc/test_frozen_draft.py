@@ -3,7 +3,8 @@
 A frozen MTP draft with the AITER layout: every session whose selector covers the draft while only target weights
 arrive makes SGLang's finalize shuffle the draft's already-shuffled weights again. Draft acceptance collapses while
 the target's output stays right. Selector `target` (the fix) keeps acceptance where it was; the strict policy turns
-selector `all` into an error at end_weight_update that names the draft, and never touches its weights.
+selector `all` into an error at end_weight_update that names the draft, and never touches its weights (the engine
+keeps serving after that error, as SGLang would).
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def test_strict_policy_refuses_selector_all_and_leaves_the_draft_untouched(
         assert status == 400 and not answer["success"]
         assert "draft runner" in answer["message"] and "loaded no tensor" in answer["message"]
         assert checksums(server, "draft") == draft_before
-        # The failed session had loaded target bytes: generation waits for a session that completes.
-        assert generate(server, PROMPTS[0])[0] == 503
+        # As SGLang, nothing refuses generation after the failed session: the target's fresh bytes (finalized once)
+        # and the untouched draft serve, and the draft still accepts as before.
+        during, _ = _mean_accept_length(server)
+        assert abs(during - start) <= 0.05 * start, (start, during)
         assert _session(server, target_only, selector="target")[0] == 200
         after, _ = _mean_accept_length(server)
         assert abs(after - start) <= 0.05 * start, (start, after)

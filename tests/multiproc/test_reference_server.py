@@ -12,6 +12,7 @@ from reference_server import ServerProcess, checkpoint_tensors, checksums, gener
 from miles_sync.bucket import pack_bucket
 from miles_sync.checksum import role_checksums
 from miles_sync.codec import decode
+from miles_sync.engine.reference.server import CHECKSUM_NAMES_KEY
 from miles_sync.protocol import GenerateResponse
 from miles_sync.selector import DraftKind, DraftReport
 from miles_sync.tensor_payload import FlattenedTensorMetadata, encode_flattened_bucket, encode_named_tensors
@@ -61,6 +62,8 @@ def test_read_endpoints(server, ckpt):
     status, server_info = server.get("/get_server_info")
     assert status == 200 and server_info["tp_size"] == 1 and server_info["speculative_algorithm"] == "NEXTN"
     assert "avg_spec_accept_length" in server_info["internal_states"][0]
+    assert server_info["internal_states"][0]["last_failure"] is None
+    assert server_info[CHECKSUM_NAMES_KEY] == "hf"  # the default: HF names over logical bytes
     status, report = server.get("/get_draft_report")
     report = decode(DraftReport, report)
     assert report.kind is DraftKind.MTP and set(report.owned_names) == mtp_names(ckpt / "target")
@@ -222,8 +225,13 @@ def test_api_key_guards_every_admin_endpoint(ckpt, tmp_path_factory):
             assert status == 401, (path, status, answer)
         wrong = ServerProcess(url=server.url, process=server.process, log_path=server.log_path, api_key="wrong-key")
         assert wrong.post("/begin_weight_update", {})[0] == 401
-        for path in ("/health", "/health_generate", "/model_info", "/get_server_info", "/get_draft_report"):
+        for path in ("/health", "/health_generate"):
             assert server.get(path, auth=False)[0] == 200, path
+        # As SGLang: an API key guards the normal routes too (rollout and info), not only the admin ones.
+        for path in ("/model_info", "/get_server_info", "/get_draft_report"):
+            assert server.get(path, auth=False)[0] == 401, path
+            assert server.get(path)[0] == 200, path
+        assert generate(wrong, [1])[0] == 401
         assert generate(server, [1])[0] == 200
         # With the key the same endpoints work.
         assert server.ok("/begin_weight_update", {"selector": "target"})["success"]

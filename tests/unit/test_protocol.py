@@ -208,7 +208,7 @@ def test_nested_errors_use_dotted_paths_with_indices():
     body["ranks"][0]["parallelism_info"][0]["tp_rank"] = "1"
     body["ranks"][0]["checksums"]["model.norm.weight"] = 12
     message = _decode_error(p.WeightsCheckerResult, body)
-    assert "ranks[0].parallelism_info[1].role: 'drafter' is not one of 'target', 'draft'" in message
+    assert "ranks[0].parallelism_info[1]: role 'drafter' is not one of 'target', 'draft', 'draft_step_<i>'" in message
     assert "ranks[0].parallelism_info[0].tp_rank: expected int, got str '1'" in message
     assert "ranks[0].checksums['model.norm.weight']: expected str, got int 12" in message
 
@@ -284,6 +284,30 @@ def test_non_object_bodies_are_rejected():
         p.decode(dict, {})
     with pytest.raises(TypeError):
         p.encode({"a": 1})
+
+
+def test_draft_step_roles_decode_and_map_to_the_draft():
+    info = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+    body = {
+        "success": True,
+        "message": "Success.",
+        "ranks": [
+            {
+                "checksums": {"w": "00ff00ff00ff00ff", "draft_step_0.w": "0123456789abcdef"},
+                "per_gpu_checksum": "x",
+                "parallelism_info": [{"role": "target", **info}, {"role": "draft_step_0", **info}],
+            }
+        ],
+    }
+    result = p.decode(p.WeightsCheckerResult, body)
+    assert [i.role for i in result.ranks[0].parallelism_info] == ["target", "draft_step_0"]
+    assert [p.role_kind(i.role) for i in result.ranks[0].parallelism_info] == [p.Role.TARGET, p.Role.DRAFT]
+    assert p.checksum_role("draft_step_12.model.layers.0.w") == ("draft_step_12", "model.layers.0.w")
+    assert p.checksum_role("draft.eh_proj.weight") == ("draft", "eh_proj.weight")
+    assert p.checksum_role("model.layers.0.w") == ("target", "model.layers.0.w")
+    for bad in ("draft_step_", "draft_step_01", "draft_stepx", "drafter", ""):
+        with pytest.raises(ValueError, match="is not one of"):
+            p.role_kind(bad)
 
 
 def test_selector_roles():

@@ -17,14 +17,14 @@ REQUIRED = "<required>"
 
 PROTOCOL_ALL = {
     "DEFAULT_GROUP_NAME", "ENDPOINTS", "QUERY_ENDPOINTS", "RESPONSES",
-    "BeginWeightUpdateRequest", "ContinueGenerationRequest", "DestroyWeightsUpdateGroupRequest",
+    "BeginWeightUpdateRequest", "ChecksumNames", "ContinueGenerationRequest", "DestroyWeightsUpdateGroupRequest",
     "EndWeightUpdateRequest", "FinishReason", "FinishReasonKind", "FlushCacheRequest", "FlushCacheResult",
     "GenerateMetaInfo", "GenerateRequest", "GenerateResponse", "GenerationControlResult",
     "InitWeightsUpdateGroupRequest", "LoadFormat", "ModelInfo", "ParallelismInfo", "PauseGenerationRequest",
     "PauseMode", "RankChecksums", "Role", "SamplingParams", "Selector", "UpdateWeightVersionRequest",
     "UpdateWeightsFromDistributedRequest", "UpdateWeightsFromTensorRequest", "WeightUpdateResult",
     "WeightVersionResult", "WeightsCheckerAction", "WeightsCheckerRequest", "WeightsCheckerResult", "WireEnum",
-    "decode", "dtype_from_wire", "dtype_to_wire", "encode", "selector_roles",
+    "checksum_role", "decode", "dtype_from_wire", "dtype_to_wire", "encode", "role_kind", "selector_roles",
 }  # fmt: skip
 SELECTOR_ALL = {
     "ConversionMode", "DraftKind", "DraftReport", "SelectorMode", "resolve_selector", "weight_update_selector",
@@ -134,7 +134,7 @@ WIRE_SCHEMA = {
         ("architectures", "tuple[str, ...] | None", None),
     ],
     "ParallelismInfo": [
-        ("role", "Role", REQUIRED),
+        ("role", "str", REQUIRED),
         ("tp_rank", "int", REQUIRED),
         ("tp_size", "int", REQUIRED),
         ("dp_rank", "int", REQUIRED),
@@ -227,7 +227,7 @@ CONFIG_FIELDS = {
     "trainer": {"tp": None, "pp": None, "dp": None, "ep": None, "lr": None},
     "engines": {
         "count": None, "kind": None, "urls": None, "weight_layout": None, "finalize_policy": None,
-        "draft_kind": None, "spec_steps": None, "api_key": None,
+        "draft_kind": None, "spec_steps": None, "api_key": None, "admin_api_key": None,
     },
     "sync": {
         "transport": None, "conversion": None, "bucket_bytes": None, "selector": None, "pause_mode": None,

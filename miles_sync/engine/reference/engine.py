@@ -1,8 +1,8 @@
-"""The reference engine's weight-update state machine: sessions, selectors, finalize policies, staleness, version.
+"""The reference engine's weight-update state machine: sessions, selectors, finalize policies, version, checker.
 
 Plain class, no HTTP: `server.py` maps each endpoint onto one method. Methods return the response record on
 success and raise ValueError with a message naming the problem on a request the engine refuses (the server answers
-400 {success: false, message}); `EngineStaleError` means generation is refused until a later session completes.
+400 {success: false, message}).
 
 Session rules (DESIGN.md section 2):
 - begin opens a session for one selector; a second begin fails; updates outside a session fail; a payload whose
@@ -14,8 +14,11 @@ Session rules (DESIGN.md section 2):
 - end closes the session, always. Policy `sglang` finalizes every runner the selector covers, as SGLang does
   (a selected runner that received nothing has its already-transformed weights transformed again). Policy `strict`
   finalizes only the names loaded in the session and fails naming every selected runner that loaded nothing.
-- A failure in a session in which some runner already loaded bytes marks the engine stale: generation is refused
-  until a later session ends successfully.
+
+Never kinder than SGLang where safety depends on it: after a failed session the engine serves whatever its runners
+hold (old, new or mixed bytes), as SGLang does; `last_failure` only reports it. Generation resumes only on
+/continue_generation, never by itself after a session. An update whose `flush_cache` is true fails AFTER loading
+when requests are running or (unless paused) waiting, as SGLang's does; the weights stay loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from miles_sync.engine.reference.weights_checker import WeightsChecker
 from miles_sync.plan import TensorMeta
 from miles_sync.protocol import (
     BeginWeightUpdateRequest,
+    ChecksumNames,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
@@ -52,19 +56,19 @@ from miles_sync.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
-    WeightsCheckerAction,
     WeightsCheckerRequest,
     WeightsCheckerResult,
     WeightUpdateResult,
     WeightVersionResult,
     WireEnum,
+    role_kind,
     selector_roles,
 )
 from miles_sync.selector import DraftKind, DraftReport
 from miles_sync.tensor_payload import decode_payload
 from miles_sync.transport.group import UpdateGroup
 
-__all__ = ["EngineStaleError", "FinalizePolicy", "ReferenceEngine"]
+__all__ = ["FinalizePolicy", "ReferenceEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +83,6 @@ class FinalizePolicy(WireEnum):
 
     STRICT = "strict"
     SGLANG = "sglang"
-
-
-class EngineStaleError(RuntimeError):
-    """Generation is refused: a failed update may have left some runners with partial weights."""
 
 
 @dataclass(kw_only=True)
@@ -133,9 +133,16 @@ class ReferenceEngine:
         finalize_policy: FinalizePolicy = FinalizePolicy.STRICT,
         collective_timeout_s: float = 120.0,
         draft_is_frozen: bool = False,
+        checksum_names: ChecksumNames = ChecksumNames.HF,
+        draft_role: str = Role.DRAFT.value,
     ) -> None:
         draft_kind = DraftKind(draft_kind)
         problems = []
+        try:
+            if role_kind(draft_role) is not Role.DRAFT:
+                problems.append(f"draft_role {draft_role!r} is not a draft role")
+        except ValueError as exc:
+            problems.append(f"draft_role: {exc}")
         if target.role is not Role.TARGET:
             problems.append(f"target runner has role {target.role.value!r}")
         if (draft is not None) != (draft_kind in (DraftKind.MTP, DraftKind.STANDALONE)):
@@ -155,10 +162,11 @@ class ReferenceEngine:
         self._timeout_s = collective_timeout_s
         self._lock = threading.Lock()
         self._session: _Session | None = None
-        self._stale: str | None = None
+        self._last_failure: str | None = None
         self._groups = UpdateGroups(timeout_s=collective_timeout_s)
         self._receive_buffer: torch.Tensor | None = None  # see _bucket_buffer
-        self._checker = WeightsChecker(self._runners)
+        self._draft_role = draft_role
+        self._checker = WeightsChecker(self._runners, checksum_names=checksum_names, draft_role=draft_role)
 
     # ---- state -------------------------------------------------------------------------------------------------
 
@@ -167,9 +175,20 @@ class ReferenceEngine:
         return self._scheduler.weight_version
 
     @property
-    def stale_reason(self) -> str | None:
-        """Why generation is refused, or None when it is not."""
-        return self._stale
+    def last_failure(self) -> str | None:
+        """Why the last weight update session failed, None once a later session ended successfully. A diagnostic
+        only: the engine serves whatever its runners hold either way, as SGLang does."""
+        return self._last_failure
+
+    @property
+    def checksum_names(self) -> ChecksumNames:
+        """What /weights_checker checksum answers: HF names and logical bytes, or SGLang's engine names and bytes."""
+        return self._checker.checksum_names
+
+    @property
+    def draft_role(self) -> str:
+        """The draft runner's role name in checker answers ("draft", or "draft_step_0" as multi-layer EAGLE)."""
+        return self._draft_role
 
     @property
     def finalize_policy(self) -> FinalizePolicy:
@@ -217,7 +236,7 @@ class ReferenceEngine:
                 problems = list(session.failures) + self._finalize(session)
                 finalized_any = session.has_loaded() or self._policy is FinalizePolicy.SGLANG
             except Exception as exc:  # an engine fault mid-finalize: layouts may now be mixed
-                self._mark_stale(f"finalize failed: {exc}")
+                self._record_failure(f"finalize failed: {exc}")
                 raise
             finally:
                 loaded = {runner.role.value: len(runner.loaded_in_session()) for runner in session.runners}
@@ -226,10 +245,10 @@ class ReferenceEngine:
             if finalized_any:
                 self._scheduler.invalidate_cache()
             if problems:
-                if any(loaded.values()):
-                    self._mark_stale(f"the session with selector {session.selector.value!r} failed")
-                raise ValueError("weight update session failed: " + _join(problems))
-            self._stale = None
+                message = "weight update session failed: " + _join(problems)
+                self._record_failure(f"selector {session.selector.value!r}, tensors loaded {loaded}: {message}")
+                raise ValueError(message)
+            self._last_failure = None
         return WeightUpdateResult(success=True, message=f"session finalized; tensors loaded per role: {loaded}")
 
     def _finalize(self, session: _Session) -> list[str]:
@@ -278,7 +297,8 @@ class ReferenceEngine:
                 raise ValueError(str(exc)) from None
             except (TimeoutError, RuntimeError) as exc:
                 raise ValueError(f"receiving failed, group {group.group_name!r} is unusable: {exc}") from None
-            return self._load(session, named, problems, endpoint=endpoint, request=request)
+            result = self._load(session, named, problems, endpoint=endpoint, request=request)
+        return self._flush_after_update(result, endpoint=endpoint, flush_cache=request.flush_cache)
 
     def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> WeightUpdateResult:
         endpoint = "/update_weights_from_tensor"
@@ -292,7 +312,8 @@ class ReferenceEngine:
             named = decode_payload(request.serialized_named_tensors[_TP_RANK], load_format=load_format)
             metas = [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in named]
             problems = self._payload_problems(session, metas)
-            return self._load(session, named, problems, endpoint=endpoint, request=request)
+            result = self._load(session, named, problems, endpoint=endpoint, request=request)
+        return self._flush_after_update(result, endpoint=endpoint, flush_cache=request.flush_cache)
 
     @contextlib.contextmanager
     def _update_step(self, endpoint: str, selector: Selector) -> Iterator[_Session]:
@@ -397,23 +418,42 @@ class ReferenceEngine:
             self._scheduler.abort_all(f"aborted by {endpoint}(abort_all_requests=true)")
         num_loaded = {}
         # Validated above: a load that raises now is an engine fault, and earlier runners may hold the new bytes
-        # (the session records the failure and the engine turns stale).
+        # (the session records the failure; the engine serves them anyway, as SGLang would).
         for runner in session.runners:
             num_loaded[runner.role.value] = len(runner.load(named))
-        if request.flush_cache:
-            self._scheduler.invalidate_cache()
         if request.weight_version is not None:
             self._scheduler.set_weight_version(request.weight_version)
         return WeightUpdateResult(success=True, message=f"loaded {len(named)} tensor(s); per role: {num_loaded}")
 
+    def _flush_after_update(
+        self, result: WeightUpdateResult, *, endpoint: str, flush_cache: bool
+    ) -> WeightUpdateResult:
+        """SGLang's flush_cache_after_weight_update: the weights are loaded either way; with requests running (or
+        waiting, unless paused) the cache cannot be flushed and the call fails. Not a session failure: a later
+        /flush_cache completes it."""
+        if not flush_cache:
+            return result
+        running, waiting = self._busy()
+        if running or waiting:
+            raise ValueError(
+                f"{endpoint}: Weights were updated, but the cache was not flushed because requests are still running "
+                f"or queued ({running} running, {waiting} waiting). Retract or finish them, then call /flush_cache."
+            )
+        self._scheduler.invalidate_cache()
+        return result
+
+    def _busy(self) -> tuple[int, int]:
+        """(running, waiting) requests that block a cache flush; waiting ones do not count while paused."""
+        waiting = 0 if self._scheduler.is_paused else self._scheduler.num_waiting
+        return self._scheduler.num_running, waiting
+
     def _fail(self, session: _Session, message: str) -> None:
         session.failures.append(message)
-        if session.has_loaded():
-            self._mark_stale(message)
+        self._record_failure(message)
 
-    def _mark_stale(self, reason: str) -> None:
-        self._stale = reason
-        logger.warning("engine marked stale: %s", reason)
+    def _record_failure(self, message: str) -> None:
+        self._last_failure = message
+        logger.warning("weight update failed: %s", message)
 
     # ---- update groups -----------------------------------------------------------------------------------------
 
@@ -457,20 +497,13 @@ class ReferenceEngine:
     def weights_checker(self, request: WeightsCheckerRequest) -> WeightsCheckerResult:
         with self._locked("weights_checker"):
             roles = {runner.role for runner in self._select(request.selector)}
-            result = self._checker.handle(request, roles=roles, is_session_open=self._session is not None)
-            if request.action is WeightsCheckerAction.RESET_TENSORS:
-                self._mark_stale("weights_checker reset_tensors overwrote the weights with random values")
-        return result
+            # reset_tensors is SGLang's test hook: random weights keep serving, open session or not.
+            return self._checker.handle(request, roles=roles)
 
     # ---- generation --------------------------------------------------------------------------------------------
 
     def submit_generate(self, request: GenerateRequest) -> Future:
-        """Queue a generation; raises EngineStaleError while stale, ValueError for a bad request."""
-        if self._stale is not None:
-            raise EngineStaleError(
-                f"generation refused: the engine may hold partial weights ({self._stale}); "
-                f"it serves again after a weight update session completes"
-            )
+        """Queue a generation (it waits while paused); raises ValueError for a bad request."""
         return self._scheduler.submit(request)
 
     def pause_generation(self, request: PauseGenerationRequest) -> GenerationControlResult:
@@ -479,14 +512,14 @@ class ReferenceEngine:
 
     def continue_generation(self, request: ContinueGenerationRequest) -> GenerationControlResult:
         del request  # torch_empty_cache: nothing to release on CPU
+        # The only place generation resumes: sessions, failures and checker actions leave a pause in place.
         self._scheduler.resume()
         return GenerationControlResult(message="generation continued", status="ok")
 
     def flush_cache(self) -> FlushCacheResult:
         """Drop caches computed from the weights. Answers at once: 400 while requests run (waiting ones count
         unless paused); callers retry while requests drain after a pause."""
-        running = self._scheduler.num_running
-        waiting = 0 if self._scheduler.is_paused else self._scheduler.num_waiting
+        running, waiting = self._busy()
         if running or waiting:
             return FlushCacheResult(
                 status_code=400, message=f"Cache not flushed: {running} request(s) running, {waiting} waiting."
@@ -494,12 +527,13 @@ class ReferenceEngine:
         self._scheduler.invalidate_cache()
         return FlushCacheResult(status_code=200, message="Cache flushed.")
 
-    def load_state(self) -> dict[str, float | int | None]:
-        """Live numbers for /get_server_info: running mean accept length and queue sizes."""
+    def load_state(self) -> dict[str, float | int | str | None]:
+        """Live numbers for /get_server_info: running mean accept length, queue sizes, the last session failure."""
         return {
             "avg_spec_accept_length": self._scheduler.avg_spec_accept_length,
             "num_running": self._scheduler.num_running,
             "num_waiting": self._scheduler.num_waiting,
+            "last_failure": self._last_failure,
         }
 
     # ---- plumbing ----------------------------------------------------------------------------------------------

@@ -167,6 +167,28 @@ class Runner:
                 self._params[name].data.copy_(unshuffle_weight(self._stored[name]))
             self._epoch += 1
 
+    def overwrite(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy `named` into storage as PHYSICAL bytes (no layout applied), then refresh the compute view.
+
+        What a test hook writing straight into an engine's parameters does (weights_checker reset_tensors): the
+        names are not recorded as loaded in the session, so no finalize transforms them. Owned names with matching
+        shape and dtype only (ValueError before anything is written otherwise).
+        """
+        named = list(named)
+        problems = []
+        for name, tensor in named:
+            stored = self._stored.get(name)
+            if stored is None:
+                problems.append(f"{name}: not owned")
+            elif tuple(tensor.shape) != tuple(stored.shape) or tensor.dtype != stored.dtype:
+                problems.append(f"{name}: expected shape {tuple(stored.shape)} dtype {_dtype_str(stored.dtype)}")
+        if problems:
+            raise ValueError(f"{self.role} runner cannot overwrite: " + "; ".join(problems))
+        with self.weights_lock:  # one critical section: no forward sees new bytes under an old compute view
+            for name, tensor in named:
+                self._stored[name].copy_(tensor)
+            self.finalize([])  # no transform: only the compute view of the shuffled weights, and a new epoch
+
     def finalize_all(self) -> None:
         """Finalize every linear weight this runner owns, as SGLang does per runner (and at start-up)."""
         self.finalize(sorted(self._linear_names))

@@ -2,13 +2,19 @@
 
     python -m miles_sync.engine.reference.serve --model DIR/target [--draft-kind mtp|standalone|ngram|none]
         [--draft DIR/draft] [--weight-layout none|aiter] [--finalize-policy strict|sglang] [--spec-steps K]
-        [--host 127.0.0.1] [--port P] [--api-key KEY] [--threads T]
+        [--checksum-names hf|engine] [--draft-role draft|draft_step_0]
+        [--host 127.0.0.1] [--port P] [--api-key KEY] [--admin-api-key KEY] [--threads T]
 
 Binds loopback unless told otherwise (default host from MILES_SYNC_HOST). `--port 0` lets the OS pick; once the
 server accepts connections it prints exactly one line "listening on http://HOST:PORT" to stdout, so a parent
-process can read the port. Logs go to stderr and never contain the API key. SIGTERM or SIGINT stop it cleanly.
-The API key is best passed as $MILES_SYNC_ENGINE_API_KEY (what EngineLauncher does): `--api-key` shows on the
-command line, which every local user can read.
+process can read the port. Logs go to stderr and never contain a key. SIGTERM or SIGINT stop it cleanly.
+The keys are best passed as $MILES_SYNC_ENGINE_API_KEY and $MILES_SYNC_ENGINE_ADMIN_API_KEY (what EngineLauncher
+does): `--api-key` and `--admin-api-key` show on the command line, which every local user can read. See server.py
+for which routes need which key (SGLang's rules).
+
+`--checksum-names engine` makes /weights_checker checksum answer what SGLang's checker answers (engine parameter
+names, physical bytes, SGLang's digests) instead of HF names over logical bytes; `--draft-role draft_step_0` names
+the draft runner as SGLang's multi-layer EAGLE does, in parallelism_info and as the checksum-name prefix.
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ from miles_sync.engine.reference.models import load_tokenizer
 from miles_sync.engine.reference.runner import DRAFT_KINDS, load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.server import ServerSettings, create_app
-from miles_sync.env import ENGINE_API_KEY_VARIABLE, read_environment
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, read_environment
 from miles_sync.layout import WeightLayout
+from miles_sync.protocol import ChecksumNames
 from miles_sync.selector import DraftKind
 
-__all__ = ["build_engine", "main", "parse_args"]
+__all__ = ["DRAFT_ROLES", "build_engine", "main", "parse_args"]
+
+# Draft role names this engine can report: SGLang's single draft runner, or step 0 of its multi-layer EAGLE.
+DRAFT_ROLES = ("draft", "draft_step_0")
 
 logger = logging.getLogger("miles_sync.engine.reference")
 
@@ -50,11 +60,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weight-layout", choices=[layout.value for layout in WeightLayout], default="none")
     parser.add_argument("--finalize-policy", choices=[p.value for p in FinalizePolicy], default="strict")
     parser.add_argument("--spec-steps", type=int, default=3)
+    parser.add_argument(
+        "--checksum-names", choices=[n.value for n in ChecksumNames], default=ChecksumNames.HF.value,
+        help="hf: HF names, logical bytes; engine: SGLang's checker (fused engine names, physical bytes)",
+    )  # fmt: skip
+    parser.add_argument("--draft-role", choices=DRAFT_ROLES, default=DRAFT_ROLES[0])
     parser.add_argument("--host", default=env.host)
     parser.add_argument("--port", type=int, default=0, help="0: the OS picks a free port")
     parser.add_argument(
         "--api-key", default=env.engine_api_key,
         help=f"prefer ${ENGINE_API_KEY_VARIABLE}: a command line is readable by every local user",
+    )  # fmt: skip
+    parser.add_argument(
+        "--admin-api-key", default=env.engine_admin_api_key,
+        help=f"key of the admin routes; prefer ${ENGINE_ADMIN_API_KEY_VARIABLE}",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--collective-timeout-s", type=float, default=env.collective_timeout_s)
@@ -70,6 +89,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         problems.append(f"--threads {args.threads} must be >= 1")
     if args.api_key is not None and not args.api_key:
         problems.append("--api-key is empty")
+    if args.admin_api_key is not None and not args.admin_api_key:
+        problems.append("--admin-api-key is empty")
     if problems:
         parser.error("; ".join(problems))
     return args
@@ -95,6 +116,8 @@ def build_engine(args: argparse.Namespace) -> ReferenceEngine:
         finalize_policy=FinalizePolicy(args.finalize_policy),
         collective_timeout_s=args.collective_timeout_s,
         draft_is_frozen=args.draft_is_frozen,
+        checksum_names=ChecksumNames(args.checksum_names),
+        draft_role=args.draft_role,
     )
 
 
@@ -106,7 +129,7 @@ async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
         spec_steps=args.spec_steps,
         generate_timeout_s=args.generate_timeout_s,
     )
-    app = create_app(engine, settings=settings, api_key=args.api_key)
+    app = create_app(engine, settings=settings, api_key=args.api_key, admin_api_key=args.admin_api_key)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -123,15 +146,19 @@ async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
             loop.add_signal_handler(signum, stop.set)
         url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
         logger.info(
-            "serving %s (draft %s, layout %s, finalize policy %s, api key %s)",
-            args.model, args.draft_kind, args.weight_layout, args.finalize_policy,
-            "set" if args.api_key is not None else "not set",
+            "serving %s (draft %s as %r, layout %s, finalize policy %s, checksum names %s, api key %s, admin api "
+            "key %s)", args.model, args.draft_kind, args.draft_role, args.weight_layout, args.finalize_policy,
+            args.checksum_names, _is_set(args.api_key), _is_set(args.admin_api_key),
         )
         print(f"listening on {url}", flush=True)
         await stop.wait()
     finally:
         await runner.cleanup()
         sock.close()
+
+
+def _is_set(key: str | None) -> str:
+    return "set" if key is not None else "not set"  # never the key itself
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,17 +1,22 @@
 """The reference engine's HTTP server: SGLang's paths, JSON and status codes over a `ReferenceEngine`.
 
 Status codes: weight endpoints answer 200 {success: true, message} or 400 {success: false, message}; a malformed
-body (bad JSON, unknown key, wrong type) is a 400 naming the field; 401 without the API key on an admin endpoint;
-503 while the engine is stale (generation) or busy past its timeout; 500 for an engine fault (logged, the server
-keeps serving). /flush_cache answers plain text.
+body (bad JSON, unknown key, wrong type) is a 400 naming the field; 401 without the key a route needs; 503 when an
+operation is busy past its timeout; 500 for an engine fault (logged, the server keeps serving). /flush_cache
+answers plain text. Generation is never refused for the weights the engine holds, as SGLang never refuses it.
 
 Blocking engine calls (collectives, rendezvous, pause) run on a thread pool so the event loop keeps serving
 generation and reads meanwhile; the engine serializes weight operations itself.
 
-API key: with one set, every admin endpoint (weight updates, sessions, groups, pause, continue, flush, checker,
-version) needs `Authorization: Bearer <key>`. Left open: /health, /health_generate, /generate, /model_info,
-/get_model_info, /get_server_info, /get_draft_report — read-only or rollout traffic, which the trainer-side
-controller never needs to authenticate and rollout workers call at high rate. The key is never logged.
+Keys, exactly as SGLang's `decide_request_auth` (`decide_auth` here), each sent as `Authorization: Bearer <key>`:
+- admin routes (ADMIN_PATHS: weight updates, sessions, groups, pause, continue, flush, checker, version; SGLang's
+  ADMIN_OPTIONAL level): with an admin key set, only the admin key passes (the API key does not); else with an API
+  key set, the API key; else open.
+- normal routes (NORMAL_PATHS: /generate, /model_info, /get_model_info, /get_server_info, /get_draft_report): with
+  an API key set, only the API key passes (the admin key does not); else open.
+- /health* (and /ready*, /metrics*, OPTIONS) are always open.
+Like SGLang, the level comes from a FULL route match: an unknown path or a wrong method is a normal route (with an
+API key set it needs that key, then answers 404/405). Keys are never logged.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from aiohttp import web
 
 from miles_sync import __version__
 from miles_sync.codec import decode, encode
-from miles_sync.engine.reference.engine import EngineStaleError, ReferenceEngine
+from miles_sync.engine.reference.engine import ReferenceEngine
 from miles_sync.protocol import (
     ENDPOINTS,
     ContinueGenerationRequest,
@@ -38,19 +43,70 @@ from miles_sync.protocol import (
     GenerateRequest,
     PauseGenerationRequest,
     SamplingParams,
+    WireEnum,
 )
 
-__all__ = ["ADMIN_PATHS", "OPEN_PATHS", "ServerSettings", "create_app"]
+__all__ = [
+    "ADMIN_PATHS",
+    "CHECKSUM_NAMES_KEY",
+    "HEALTH_PATHS",
+    "NORMAL_PATHS",
+    "AuthLevel",
+    "ServerSettings",
+    "create_app",
+    "decide_auth",
+]
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset(
-    {
-        "/health", "/health_generate", "/generate", "/model_info", "/get_model_info", "/get_server_info",
-        "/get_draft_report",
-    }
-)  # fmt: skip
-ADMIN_PATHS = frozenset({*ENDPOINTS, "/flush_cache"} - OPEN_PATHS)
+HEALTH_PATHS = frozenset({"/health", "/health_generate"})
+NORMAL_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/get_server_info", "/get_draft_report"})
+ADMIN_PATHS = frozenset({*ENDPOINTS, "/flush_cache"} - NORMAL_PATHS - HEALTH_PATHS)
+# Paths SGLang never guards, matched by prefix as SGLang does (k8s probes, metrics scrapers carry no secret).
+_ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+# /get_server_info key naming what /weights_checker checksum answers ("hf" or "engine"). A real SGLang server
+# lacks it, and always answers engine names.
+CHECKSUM_NAMES_KEY = "miles_sync_checksum_names"
+
+
+class AuthLevel(WireEnum):
+    """SGLang's per-route auth levels that this server uses (it has no ADMIN_FORCE route)."""
+
+    NORMAL = "normal"
+    ADMIN_OPTIONAL = "admin_optional"
+
+
+def decide_auth(
+    *,
+    method: str,
+    path: str,
+    authorization: str | None,
+    api_key: str | None,
+    admin_api_key: str | None,
+    level: AuthLevel,
+) -> str | None:
+    """None when the request may pass, else the name of the key it lacks ("api key" or "admin api key").
+
+    Pure, and SGLang's `decide_request_auth` for the NORMAL and ADMIN_OPTIONAL levels: see the module docstring.
+    """
+    if method == "OPTIONS" or path.startswith(_ALWAYS_OPEN_PREFIXES):
+        return None
+    if AuthLevel(level) is AuthLevel.ADMIN_OPTIONAL and admin_api_key:
+        return None if _is_bearer(authorization, admin_api_key) else "admin api key"
+    if api_key:
+        return None if _is_bearer(authorization, api_key) else "api key"
+    return None
+
+
+def _is_bearer(authorization: str | None, key: str) -> bool:
+    """`Bearer <key>` (scheme case-insensitive, one space), compared in constant time."""
+    if not authorization:
+        return False
+    scheme, space, token = authorization.partition(" ")
+    if not space or scheme.lower() != "bearer":
+        return False
+    # Bytes: compare_digest refuses str with non-ASCII characters, which a header may carry.
+    return hmac.compare_digest(token.encode(errors="surrogateescape"), key.encode(errors="surrogateescape"))
 
 _SPECULATIVE_ALGORITHMS = {"mtp": "NEXTN", "standalone": "STANDALONE", "ngram": "NGRAM"}
 
@@ -84,14 +140,17 @@ def create_app(
     *,
     settings: ServerSettings,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     max_body_bytes: int = 256 * 2**20,
     num_threads: int = 8,
 ) -> web.Application:
     """The aiohttp application; its thread pool shuts down with the app."""
-    if api_key is not None and not api_key:
-        raise ValueError("api_key must be None or a non-empty string")
+    for what, key in (("api_key", api_key), ("admin_api_key", admin_api_key)):
+        if key is not None and not key:
+            raise ValueError(f"{what} must be None or a non-empty string")
     executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="reference-http")
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_auth_middleware(api_key), _error_middleware])
+    middlewares = [_auth_middleware(api_key=api_key, admin_api_key=admin_api_key), _error_middleware]
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
 
     async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
@@ -137,8 +196,6 @@ def create_app(
 
     async def health_generate(request: web.Request) -> web.Response:
         del request
-        if engine.stale_reason is not None:
-            return _json({"success": False, "message": f"stale: {engine.stale_reason}"}, status=503)
         if not engine.is_paused:
             # One real token, as SGLang's health check does: the scheduler loop must be alive.
             probe = GenerateRequest(input_ids=(0,), sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -168,13 +225,13 @@ def create_app(
                 "draft_kind": settings.draft_kind,
                 "weight_layout": settings.weight_layout,
                 "finalize_policy": engine.finalize_policy.value,
+                CHECKSUM_NAMES_KEY: engine.checksum_names.value,
                 "version": f"miles_sync-reference-{__version__}",
                 "internal_states": [
                     {
                         **engine.load_state(),
                         "weight_version": engine.weight_version,
                         "is_paused": engine.is_paused,
-                        "is_stale": engine.stale_reason is not None,
                     }
                 ],
             }
@@ -220,16 +277,19 @@ def _failure(status: int, message: str) -> web.Response:
     return _json({"success": False, "message": message}, status=status)
 
 
-def _auth_middleware(api_key: str | None):
-    expected = None if api_key is None else f"Bearer {api_key}".encode()
-
+def _auth_middleware(*, api_key: str | None, admin_api_key: str | None):
     @web.middleware
     async def auth(request: web.Request, handler):
-        # Unknown paths and wrong methods keep their 404/405 so clients can probe which endpoints exist.
-        if expected is not None and request.path in ADMIN_PATHS and request.match_info.http_exception is None:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _failure(401, f"{request.path} needs 'Authorization: Bearer <api key>'")
+        # As SGLang: the admin level only on a full match (path and method); anything else is a normal route,
+        # which then answers its 404/405 to a caller holding the key it needs.
+        is_matched = request.match_info.http_exception is None
+        level = AuthLevel.ADMIN_OPTIONAL if is_matched and request.path in ADMIN_PATHS else AuthLevel.NORMAL
+        missing = decide_auth(
+            method=request.method, path=request.path, authorization=request.headers.get("Authorization"),
+            api_key=api_key, admin_api_key=admin_api_key, level=level,
+        )  # fmt: skip
+        if missing is not None:
+            return _failure(401, f"{request.path} needs 'Authorization: Bearer <{missing}>'")
         return await handler(request)
 
     return auth
@@ -241,8 +301,6 @@ async def _error_middleware(request: web.Request, handler):
         return await handler(request)
     except web.HTTPException:
         raise
-    except EngineStaleError as exc:
-        return _failure(503, str(exc))
     except ValueError as exc:
         return _failure(400, str(exc))
     except (TimeoutError, asyncio.TimeoutError) as exc:

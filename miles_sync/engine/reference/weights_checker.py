@@ -1,13 +1,20 @@
 """`/weights_checker` of the reference engine: snapshot, reset_tensors, compare and checksum over selected runners.
 
-- checksum: per TP rank (one here), the checksum of every selected tensor in its LOGICAL layout (a shuffled weight
-  is hashed after undoing the shuffle), so the numbers equal a trainer's checksums of the HF tensors it sent;
-  draft-role names carry the prefix "draft.".
+Two naming modes for checksum (`ChecksumNames`, chosen once per engine):
+- hf (default): per TP rank (one here), the checksum of every selected tensor under its HF name in its LOGICAL
+  layout (a shuffled weight is hashed after undoing the shuffle), `miles_sync.checksum.tensor_checksum`, so the
+  numbers equal a trainer's checksums of the HF tensors it sent.
+- engine: what SGLang's checker answers: the engine's own parameter names (q/k/v fused into `qkv_proj`, gate/up
+  into `gate_up_proj`, concatenated along dim 0), the PHYSICAL stored bytes (after post-processing), each digest
+  SGLang's 16-hex-digit `tensor_hash`, and SGLang's per_gpu / per_engine digests.
+Draft-role names carry the draft role's name as prefix ("draft." or "draft_step_0."), as SGLang merges them.
+
 - snapshot / compare: a copy of the PHYSICAL stored bytes, and a bitwise comparison against it later (or a
   tolerance comparison with allow_quant_error).
-- reset_tensors: overwrite every selected tensor with random values, so that a following update must rewrite all
-  of them for compare to pass (the caller marks the engine stale: random weights must not serve).
-`skip_tensor_list` holds substrings of HF names (without the "draft." prefix) to leave out.
+- reset_tensors: as SGLang's test hook, copy random values (floats uniform in [0, 1)) into the stored bytes of
+  every selected tensor, open session or not. The engine keeps serving them: nothing is marked or refused.
+`skip_tensor_list` holds substrings of the names of the naming mode (without the role prefix) to leave out, for
+every action; a fused engine parameter is skipped or kept whole.
 """
 
 from __future__ import annotations
@@ -16,16 +23,26 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from miles_sync.checksum import engine_digest, role_checksums
+from miles_sync.checksum import (
+    engine_digest,
+    role_checksums,
+    sglang_engine_checksum,
+    sglang_overall_checksum,
+    sglang_parameter_names,
+    sglang_reported_name,
+    sglang_tensor_hash,
+)
 from miles_sync.engine.reference.runner import Runner
 from miles_sync.layout import unshuffle_weight
 from miles_sync.protocol import (
+    ChecksumNames,
     ParallelismInfo,
     RankChecksums,
     Role,
     WeightsCheckerAction,
     WeightsCheckerRequest,
     WeightsCheckerResult,
+    role_kind,
 )
 
 __all__ = ["WeightsChecker"]
@@ -33,19 +50,41 @@ __all__ = ["WeightsChecker"]
 _QUANT_RTOL = 1e-2  # allow_quant_error: the tolerance of a round trip through an 8-bit format
 _QUANT_ATOL = 1e-2
 _MAX_NAMES_SHOWN = 8
-_RESET_SEED = 0
+_MAX_RESET_DRAWS = 8
+
+_Parts = dict[str, tuple[str, ...]]  # name in the naming mode -> the HF names of the runner's storage it covers
 
 
 class WeightsChecker:
     """Stateful (it keeps the last snapshot). The caller serializes calls with weight updates."""
 
-    def __init__(self, runners: Mapping[Role, Runner]) -> None:
+    def __init__(
+        self,
+        runners: Mapping[Role, Runner],
+        *,
+        checksum_names: ChecksumNames = ChecksumNames.HF,
+        draft_role: str = Role.DRAFT.value,
+    ) -> None:
+        if role_kind(draft_role) is not Role.DRAFT:
+            raise ValueError(f"draft_role {draft_role!r} is not a draft role ('draft' or 'draft_step_<i>')")
         self._runners = runners
+        self._names = ChecksumNames(checksum_names)
+        self._role_names = {Role.TARGET: Role.TARGET.value, Role.DRAFT: draft_role}
+        self._parts: dict[Role, _Parts] = {
+            role: (
+                sglang_parameter_names(runner.owned_names())
+                if self._names is ChecksumNames.ENGINE
+                else {name: (name,) for name in runner.owned_names()}
+            )
+            for role, runner in runners.items()
+        }
         self._snapshot: dict[tuple[Role, str], torch.Tensor] | None = None
 
-    def handle(
-        self, request: WeightsCheckerRequest, *, roles: set[Role], is_session_open: bool
-    ) -> WeightsCheckerResult:
+    @property
+    def checksum_names(self) -> ChecksumNames:
+        return self._names
+
+    def handle(self, request: WeightsCheckerRequest, *, roles: set[Role]) -> WeightsCheckerResult:
         """Run one action over the runners of `roles`; raises ValueError when it fails (compare mismatch, ...)."""
         skip = () if request.skip_tensor_list is None else tuple(request.skip_tensor_list)
         action = request.action
@@ -56,39 +95,58 @@ class WeightsChecker:
             return WeightsCheckerResult(success=True, message=f"snapshot of {len(self._snapshot)} tensor(s)")
         if action is WeightsCheckerAction.COMPARE:
             return self._compare(roles, skip, allow_quant_error=request.allow_quant_error)
-        if is_session_open:
-            raise ValueError("reset_tensors is refused while a weight update session is open")
         return self._reset(roles, skip)
 
-    def _selected(self, roles: set[Role], skip: tuple[str, ...]) -> Iterator[tuple[Runner, list[str]]]:
+    def _selected(self, roles: set[Role], skip: tuple[str, ...]) -> Iterator[tuple[Runner, _Parts]]:
+        """(runner, {name in this mode: HF parts}) per selected runner, target first, skipped names left out."""
         for role in (Role.TARGET, Role.DRAFT):
             runner = self._runners.get(role)
             if runner is not None and role in roles:
-                yield runner, sorted(n for n in runner.owned_names() if not any(s in n for s in skip))
+                parts = self._parts[role]
+                yield runner, {n: parts[n] for n in sorted(parts) if not any(s in n for s in skip)}
 
     def _stored(self, roles: set[Role], skip: tuple[str, ...]) -> Iterator[tuple[Role, str, torch.Tensor]]:
-        for runner, names in self._selected(roles, skip):
+        for runner, selected in self._selected(roles, skip):
             with runner.weights_lock:
                 stored = runner.stored_tensors()
-                for name in names:
-                    yield runner.role, name, stored[name]
+                for parts in selected.values():
+                    for name in parts:
+                        yield runner.role, name, stored[name]
 
     def _checksum(self, roles: set[Role], skip: tuple[str, ...]) -> WeightsCheckerResult:
         checksums: dict[str, str] = {}
         infos = []
-        for runner, names in self._selected(roles, skip):
+        for runner, selected in self._selected(roles, skip):
+            role_name = self._role_names[runner.role]
             with runner.weights_lock:
-                checksums.update(role_checksums(_logical(runner, names), role=runner.role.value))
+                if self._names is ChecksumNames.ENGINE:
+                    stored = runner.stored_tensors()
+                    answered = {
+                        name: sglang_tensor_hash(_fused([stored[part] for part in parts]))
+                        for name, parts in selected.items()
+                    }
+                else:
+                    answered = role_checksums(_logical(runner, list(selected)), role=Role.TARGET.value)
+            for name, digest in answered.items():
+                key = sglang_reported_name(role_name, name)
+                if key in checksums:  # SGLang refuses a merge that would hide one runner's tensor behind another's
+                    raise ValueError(f"checksum key collision: {key}")
+                checksums[key] = digest
             infos.append(
                 ParallelismInfo(
-                    role=runner.role, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1
+                    role=role_name, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1
                 )
             )
-        digest = engine_digest(checksums)
-        rank = RankChecksums(checksums=checksums, per_gpu_checksum=digest, parallelism_info=tuple(infos))
+        if self._names is ChecksumNames.ENGINE:
+            per_gpu = sglang_overall_checksum(checksums)
+            per_engine = sglang_engine_checksum([per_gpu])
+        else:
+            per_gpu = per_engine = engine_digest(checksums)
+        rank = RankChecksums(checksums=checksums, per_gpu_checksum=per_gpu, parallelism_info=tuple(infos))
         return WeightsCheckerResult(
-            success=True, message=f"checksums of {len(checksums)} tensor(s)", ranks=(rank,), per_engine_checksum=digest
-        )
+            success=True, message=f"checksums of {len(checksums)} tensor(s)", ranks=(rank,),
+            per_engine_checksum=per_engine,
+        )  # fmt: skip
 
     def _compare(self, roles: set[Role], skip: tuple[str, ...], *, allow_quant_error: bool) -> WeightsCheckerResult:
         if self._snapshot is None:
@@ -111,16 +169,18 @@ class WeightsChecker:
         return WeightsCheckerResult(success=True, message=f"{num_compared} tensor(s) equal the snapshot")
 
     def _reset(self, roles: set[Role], skip: tuple[str, ...]) -> WeightsCheckerResult:
-        generator = torch.Generator().manual_seed(_RESET_SEED)
         num_reset = 0
-        for runner, names in self._selected(roles, skip):
-            stored = runner.stored_tensors()
-            runner.load([(name, _random_like(stored[name], generator)) for name in names])
-            # Post-process the random bytes like any fresh load, so stored layout and compute view agree.
-            runner.finalize(names)
-            runner.reset_session()
+        for runner, selected in self._selected(roles, skip):
+            names = [name for parts in selected.values() for name in parts]
+            with runner.weights_lock:
+                stored = runner.stored_tensors()
+                runner.overwrite([(name, _random_unlike(stored[name])) for name in names])
             num_reset += len(names)
         return WeightsCheckerResult(success=True, message=f"reset {num_reset} tensor(s) to random values")
+
+
+def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _logical(runner: Runner, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -140,12 +200,25 @@ def _equal(a: torch.Tensor, b: torch.Tensor, *, allow_quant_error: bool) -> bool
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _random_like(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _random_like(t: torch.Tensor) -> torch.Tensor:
+    """SGLang's `_random_like`: floats uniform in [0, 1) drawn in float32, bools fair coins; integers uniform over
+    every bit pattern. Unseeded: each call draws new values."""
     if t.is_floating_point():
-        return torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
+        return torch.rand(t.shape, dtype=torch.float32).to(t.dtype)
     if t.dtype == torch.bool:
-        return torch.randint(0, 2, t.shape, generator=generator).bool()
-    return torch.randint(0, 100, t.shape, generator=generator).to(t.dtype)
+        return torch.rand(t.shape) > 0.5
+    num_bytes = t.numel() * t.element_size()
+    return torch.randint(0, 256, (num_bytes,), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+
+
+def _random_unlike(t: torch.Tensor) -> torch.Tensor:
+    """`_random_like(t)`, drawn again while it equals `t` bitwise (a one-element bool has even odds), so a reset
+    always changes a non-empty tensor."""
+    for _ in range(_MAX_RESET_DRAWS):
+        values = _random_like(t)
+        if t.numel() == 0 or not _equal(values, t, allow_quant_error=False):
+            return values
+    return ~t if t.dtype == torch.bool else values  # only tiny tensors of few values get here
 
 
 def _shown(names: list[str]) -> str:
