@@ -15,6 +15,7 @@ import ray
 from miles_sync.config import TrainerConfig
 from miles_sync.placement import PlacedGroups, Resources
 from miles_sync.trainer import RankInfo, TrainBatch, TrainerWorker, TrainStepResult
+from miles_sync.transport.base import FeedPlan
 
 __all__ = ["DEFAULT_TRAINER_RESOURCES", "TrainerGroup", "create_trainers"]
 
@@ -56,12 +57,15 @@ def create_trainers(
     num_threads: int | None = 1,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    feeds: FeedPlan | None = None,
 ) -> TrainerGroup:
     """Start `trainer.world_size` trainer actors and set them up; raises (after killing them) if any rank fails.
 
     `backend`: the trainer group's (None: nccl where CUDA is available, else gloo). `env_vars` go into every
     rank's environment (default: GLOO_SOCKET_IFNAME=lo when `master_address` is
-    loopback, so the trainer group's gloo sockets stay on loopback).
+    loopback, so the trainer group's gloo sockets stay on loopback). `feeds`: the colocated feed plan every rank
+    follows with the colocated transport (`placement.plan_colocated_feeds(placement.plan)`); None feeds every
+    engine rank from the export source.
     """
     if env_vars is None:
         env_vars = {"GLOO_SOCKET_IFNAME": "lo"} if master_address in ("127.0.0.1", "localhost") else {}
@@ -84,6 +88,7 @@ def create_trainers(
                 num_threads=num_threads,
                 timeout_s=timeout_s,
                 backend=backend,
+                feeds=feeds,
             )
         )
     try:

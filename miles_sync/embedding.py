@@ -39,7 +39,7 @@ from miles_sync.selector import ConversionMode
 from miles_sync.sender import SendResult, StageResult
 from miles_sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.trainer import ModelSource, RankInfo, RankSendResult, SenderSettings
-from miles_sync.transport.base import EngineEndpoint, GroupMembership
+from miles_sync.transport.base import EngineEndpoint, FeedPlan, GroupMembership
 
 __all__ = [
     "DEFAULT_ATTACHMENT",
@@ -68,6 +68,7 @@ def attach_model(
     conversion: ConversionMode | str = ConversionMode.RAW,
     name: str = DEFAULT_ATTACHMENT,
     collective_timeout_s: float | None = None,
+    feeds: FeedPlan | None = None,
 ) -> ModelSource:
     """Hand this rank's Megatron model to miles_sync; call it on every rank of the model, once.
 
@@ -76,12 +77,20 @@ def attach_model(
     tensors come from it). `conversion`: "raw" (miles_sync's converters) or "bridge" (megatron-bridge). `name`
     tells several attached models of one process apart. The model is read, never written; attaching again under
     the same name replaces the previous model. Returns the rank's ModelSource.
+
+    `feeds` (the colocated transport only; the same plan on every rank): which trainer rank feeds each engine TP
+    rank, from the devices they run on (`miles_sync.transport.base.plan_feeds`, or `placement.plan_colocated_feeds`
+    for a miles_sync placement plan). Without it the export source alone hands every engine rank a handle to its
+    own memory: fine on CPU and where all engine ranks share the source's GPU, refused by SGLang ("Invalid
+    device_uuid") for an engine rank on another GPU.
     """
     if not name:
         raise ValueError("attach_model: name must be a non-empty string")
     timeout_s = read_environment().collective_timeout_s if collective_timeout_s is None else collective_timeout_s
     conversion = ConversionMode(conversion)
-    source = ModelSource(model, hf_config=hf_config, conversion=conversion, collective_timeout_s=timeout_s)
+    source = ModelSource(
+        model, hf_config=hf_config, conversion=conversion, collective_timeout_s=timeout_s, feeds=feeds
+    )
     with _attached_lock:
         previous, _attached[name] = _attached.get(name), source
     if previous is not None:
@@ -265,6 +274,7 @@ class ControllerService:
         sync: SyncConfig,
         model: ModelConfig,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         attachment: str = DEFAULT_ATTACHMENT,
         backend: str = "gloo",
         device: str = "cpu",
@@ -279,6 +289,7 @@ class ControllerService:
             http_timeout_s=sync.http_timeout_s,
             call_timeout_s=sync.sync_timeout_s,
             api_key=api_key,
+            admin_api_key=admin_api_key,
             device=device,
             hash_buckets=sync.verify,
         )
@@ -304,6 +315,7 @@ class ControllerService:
                 backend=backend, master_address=read_environment().host if master_address is None else master_address
             ),
             api_key=api_key,
+            admin_api_key=admin_api_key,
             show_progress=show_progress,
         )
 
@@ -341,6 +353,9 @@ class ControllerService:
 
     def stale_engines(self) -> tuple[str, ...]:
         return self._controller.stale_engines
+
+    def held_engines(self) -> dict[str, str]:
+        return self._controller.held_engines
 
     def progress(self) -> SyncProgress | None:
         """The running (or last) sync's acknowledged buckets; poll it from the driver while `sync` runs."""

@@ -33,8 +33,15 @@ from miles_sync.engine.client import EngineClient
 from miles_sync.engine.launcher import Sample, engine_spec, generate_samples
 from miles_sync.engine.reference.checkpoints import cached_checkpoints
 from miles_sync.env import read_environment
-from miles_sync.placement import PlacedGroups, PlacementLayout, create_placement_groups, plan_placement
+from miles_sync.placement import (
+    PlacedGroups,
+    PlacementLayout,
+    create_placement_groups,
+    plan_colocated_feeds,
+    plan_placement,
+)
 from miles_sync.protocol import SamplingParams
+from miles_sync.transport.base import FeedPlan
 from miles_sync.report import ProgressBar, SyncReport
 from miles_sync.rl import make_prompts, mean_accept_length, reward, train_batch
 from miles_sync.run_report import (
@@ -137,6 +144,7 @@ def start_job_actors(
         placed = _placement(config)
         if placed is not None:
             stack.callback(placed.remove)
+        feeds = _feeds(config, placed)  # refuses a layout with an unfed engine rank before any actor starts
         engines = None
         if config.engines.urls:
             urls = config.engines.urls
@@ -149,7 +157,7 @@ def start_job_actors(
             trainers = create_trainers(
                 trainer=config.trainer, checkpoint_dir=checkpoint,
                 num_trained_mtp_layers=config.model.num_trained_mtp_layers, seed=config.seed, placement=placed,
-                timeout_s=_START_TIMEOUT_S,
+                timeout_s=_START_TIMEOUT_S, feeds=feeds,
             )  # fmt: skip
             stack.callback(trainers.shutdown)
             engines = engine_start.result()
@@ -158,7 +166,7 @@ def start_job_actors(
             urls = engines.urls
         controller = create_controller(
             trainers=trainers.actors, engine_urls=urls, sync=config.sync, model=config.model,
-            api_key=config.engines.api_key, timeout_s=_START_TIMEOUT_S,
+            api_key=config.engines.api_key, admin_api_key=config.engines.admin_api_key, timeout_s=_START_TIMEOUT_S,
         )  # fmt: skip
         stack.callback(_close_controller, controller)
         log(f"fleet ready: {len(urls)} engine(s), {len(trainers.actors)} trainer rank(s), "
@@ -259,6 +267,15 @@ def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
         trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
     )  # fmt: skip
     return create_placement_groups(plan, timeout_s=_PLACEMENT_TIMEOUT_S, name_prefix=config.run_name)
+
+
+def _feeds(config: MilesSyncConfig, placed: PlacedGroups | None) -> FeedPlan | None:
+    """Colocated transport on placed engines: each engine rank is fed by the trainer rank on its bundle (engine j
+    by trainer rank j with TP=1 engines). Running servers (`engines.urls`) have no placement here: the export
+    source feeds them all."""
+    if placed is None or config.sync.transport is not Transport.COLOCATED:
+        return None
+    return plan_colocated_feeds(placed.plan)
 
 
 def _start_engines(

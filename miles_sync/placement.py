@@ -8,7 +8,9 @@ Two layouts:
   custom node resources (e.g. {"trainer_node": 1} vs {"rollout_node": 1}) pin each group to its pool of nodes.
 
 `plan_placement` is pure and table-tested; `create_placement_groups` executes a plan on a running Ray cluster and
-hands out each actor's scheduling strategy.
+hands out each actor's scheduling strategy. `plan_colocated_feeds` turns a colocated plan into the colocated
+transport's feed assignment: engine j's TP rank r (bundle j * engine_tp_size + r) is fed by the trainer rank on its
+bundle.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from miles_sync.transport.base import Device, FeedPlan, plan_feeds
 
 __all__ = [
     "ActorRole",
@@ -27,6 +31,7 @@ __all__ = [
     "PlacementPlan",
     "Resources",
     "create_placement_groups",
+    "plan_colocated_feeds",
     "plan_placement",
 ]
 
@@ -116,6 +121,7 @@ class PlacementPlan:
     groups: tuple[BundleGroup, ...]
     trainers: tuple[ActorSlot, ...]
     engines: tuple[ActorSlot, ...]
+    engine_tp_size: int = 1  # an engine's TP ranks sit on consecutive bundles from its slot's bundle on
 
     def slots(self) -> tuple[ActorSlot, ...]:
         return self.trainers + self.engines
@@ -188,6 +194,26 @@ def _colocated(
             ActorSlot(role=ActorRole.ENGINE, index=j, group=0, bundle=b, resources=engine)
             for j, b in engine_bundle.items()
         ),
+        engine_tp_size=engine_tp_size,
+    )
+
+
+def plan_colocated_feeds(plan: PlacementPlan) -> FeedPlan:
+    """The colocated transport's feed assignment for `plan`: each engine TP rank fed by the trainer rank on its
+    bundle (`transport.base.plan_feeds` over bundle devices). Pure. Raises ValueError for a disaggregated plan
+    (no engine rank shares a device with a trainer rank, so the colocated transport cannot run on it)."""
+    if plan.layout is not PlacementLayout.COLOCATED:
+        raise ValueError(
+            f"the colocated transport needs the colocated placement layout, got {plan.layout.value!r}: engine ranks "
+            f"map trainer memory on their own device"
+        )
+
+    def device(slot: ActorSlot, offset: int = 0) -> Device:
+        return Device(node=plan.groups[slot.group].name, index=slot.bundle + offset)
+
+    return plan_feeds(
+        trainer_devices=[device(t) for t in plan.trainers],
+        engine_devices=[[device(e, r) for r in range(plan.engine_tp_size)] for e in plan.engines],
     )
 
 

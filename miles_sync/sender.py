@@ -9,6 +9,10 @@ on a GPU each send allocates its own. After each send the freed host heap is han
 
 The sender also returns the checksum of every tensor it sent, hashed from the packed bytes, i.e. exactly what went
 on the wire; the session compares them with each engine's checksums.
+
+Colocated fan-out (`feeds`): every trainer rank of the feed plan holds its own copy of each bucket for the engine
+ranks on its device (miles_sync.transport.colocated). The source leads each bucket through the fan-out and ends it
+once per send, also after a failure; the other members follow while they drain the export stream.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ from miles_sync.transport.base import (
     TRANSPORTS,
     EngineEndpoint,
     EngineTarget,
+    FeedPlan,
+    FeedRole,
     GroupMembership,
     Transport,
     create_transport,
     needs_update_group,
     transport_spec,
 )
+from miles_sync.transport.colocated import FanOut, PostedPayload, open_fan_out
 
 __all__ = [
     "DoubleBuffer",
@@ -282,10 +289,15 @@ class Sender:
     in the same order. After a failed bucket the rest of the stream is still consumed, for the same reason, before
     the error is raised. The engine clients and the transport are built in `open`, on the caller's event loop.
 
+    `feeds`: this rank's role in a colocated feed plan (every rank of the plan gets one, the source included;
+    `transport` stays None off the source). Without it a colocated source feeds every engine rank itself
+    (`FeedPlan.single_source`). Opening with a plan of several ranks is a collective over the trainer's default
+    group: every trainer rank must open at once.
+
     `hash_buckets`: checksum every tensor sent (SHA-256, on a thread of its own while the bucket is on the wire).
-    Verification needs them; without them (verify off) a send costs one pass less over the bytes, and after a
-    failed send the controller cannot tell an untouched engine from a partial one, so it quarantines every engine
-    the session reached.
+    Verification needs them; without them (verify off) a send costs one pass less over the bytes, no sync leaves a
+    verified baseline, and after a failed send the controller cannot tell an untouched engine from a partial one,
+    so it holds every engine the session reached paused.
     """
 
     def __init__(
@@ -299,8 +311,10 @@ class Sender:
         open_timeout_s: float,
         http_timeout_s: float,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         device: torch.device | str = "cpu",
         hash_buckets: bool = True,
+        feeds: FeedRole | None = None,
     ) -> None:
         problems = []
         if transport is not None and transport not in TRANSPORTS:
@@ -314,6 +328,10 @@ class Sender:
         ):
             if not value > 0:
                 problems.append(f"{name}={value} must be positive")
+        if feeds is not None and (feeds.rank == feeds.source_rank) != (transport is not None):
+            problems.append(
+                f"feeds: rank {feeds.rank} with source rank {feeds.source_rank} needs a transport exactly on the source"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         self._transport_name = transport
@@ -324,12 +342,15 @@ class Sender:
         self._open_timeout_s = open_timeout_s
         self._http_timeout_s = http_timeout_s
         self._api_key = api_key
+        self._admin_api_key = admin_api_key
         self._device = torch.device(device)
         self._transport: Transport | None = None
         self._clients: tuple[EngineClient, ...] = ()
         self._staged: _StagedStream | None = None
         self._buffers: DoubleBuffer | None = None
         self._hash_buckets = hash_buckets
+        self._feeds = feeds
+        self._fan_out: FanOut | None = None
 
     @property
     def is_source(self) -> bool:
@@ -342,20 +363,58 @@ class Sender:
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
     ) -> GroupMembership | None:
         await self.close()
+        role = self._feed_role(engines)
+        posted = set() if role is None else set(role.plan.posted_by(role.rank))
+        # The source talks to every engine; another member only to the engines whose requests it posts.
+        needed = range(len(engines)) if self.is_source else sorted(posted)
+        clients = {
+            j: EngineClient(
+                engines[j].url, timeout_s=self._http_timeout_s, api_key=self._api_key,
+                admin_api_key=self._admin_api_key,
+            )
+            for j in needed
+        }  # fmt: skip
+        self._clients = tuple(clients.values())
+        targets = [
+            None if j not in clients else EngineTarget(client=clients[j], tp_size=e.tp_size)
+            for j, e in enumerate(engines)
+        ]
+        if role is not None:
+            self._fan_out = await asyncio.to_thread(
+                open_fan_out, role=role, engines=[t if j in posted else None for j, t in enumerate(targets)],
+                timeout_s=self._fan_out_timeout_s, device=self._device,
+            )  # fmt: skip
         if self._transport_name is None:
             return membership
-        self._clients = tuple(
-            EngineClient(e.url, timeout_s=self._http_timeout_s, api_key=self._api_key) for e in engines
-        )
-        targets = [EngineTarget(client=c, tp_size=e.tp_size) for c, e in zip(self._clients, engines)]
         transport = create_transport(self._transport_name, engines=targets, **self._transport_options())
         bound = await transport.open(membership=membership, timeout_s=self._open_timeout_s)
         self._transport = transport
         return bound
 
+    def _feed_role(self, engines: Sequence[EngineEndpoint]) -> FeedRole | None:
+        """This rank's fan-out role: the given one, the source alone for a colocated source without one, or None
+        (a transport without fan-out, or a non-source rank outside any plan)."""
+        if self._feeds is not None:
+            self._feeds.plan.check_engines(engines)
+            return self._feeds
+        if self._transport_name is None or not transport_spec(self._transport_name).feeds_from_every_rank:
+            return None
+        return FeedRole(plan=FeedPlan.single_source(tp_sizes=[e.tp_size for e in engines]), rank=0, source_rank=0)
+
+    @property
+    def _fan_out_timeout_s(self) -> float:
+        # A member may wait in one collective for a poster's whole HTTP call (bucket_timeout_s) and the transfer.
+        return 2 * self._bucket_timeout_s
+
+    def posted_payloads(self) -> tuple[PostedPayload, ...]:
+        """What this rank posted to engines during the last finished colocated send (empty otherwise)."""
+        return () if self._fan_out is None else self._fan_out.posted()
+
     def _transport_options(self) -> dict[str, object]:
-        # Only the distributed transport places buffers on a device of its group.
-        return {"device": self._device} if needs_update_group(self._transport_name) else {}
+        # The distributed transport places buffers on a device of its group; the colocated one leads the fan-out.
+        if needs_update_group(self._transport_name):
+            return {"device": self._device}
+        return {"fan_out": self._fan_out} if transport_spec(self._transport_name).feeds_from_every_rank else {}
 
     def _send_buffers(self) -> DoubleBuffer:
         """The pack buffers of a send. On the CPU they are kept from one send to the next: fresh ones cost a page
@@ -383,10 +442,13 @@ class Sender:
         self._buffers = None
         transport, self._transport = self._transport, None
         clients, self._clients = self._clients, ()
+        fan_out, self._fan_out = self._fan_out, None
         try:
             if transport is not None:
                 await transport.close(timeout_s=self._open_timeout_s)
         finally:
+            if fan_out is not None:
+                fan_out.close()
             for client in clients:
                 await client.close()
 
@@ -442,14 +504,20 @@ class Sender:
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-pack")
         try:
             if not self.is_source:
-                await loop.run_in_executor(worker, stream.drain)
+                await self._follow(loop.run_in_executor(worker, stream.drain))
                 return SendResult(
                     num_bytes=0, num_buckets=0, num_tensors=0, checksums={}, export_s=stream.export_s, pack_s=0.0,
                     send_s=time.perf_counter() - start,
                 )
-            totals = await self._send_buckets(
-                stream, worker=worker, selector=selector, start=start, on_bucket=on_bucket
-            )
+            try:
+                totals = await self._send_buckets(
+                    stream, worker=worker, selector=selector, start=start, on_bucket=on_bucket
+                )
+            except BaseException as exc:
+                with contextlib.suppress(Exception):  # the original failure is the one to report
+                    await self._end_fan_out(error=f"the source failed: {str(exc) or type(exc).__name__}")
+                raise
+            await self._end_fan_out(error=None)
         finally:
             worker.submit(_trim_heap)  # after the stream, off the event loop; nobody waits for it
             worker.shutdown(wait=False)
@@ -462,6 +530,19 @@ class Sender:
             pack_s=stream.pack_s,
             send_s=time.perf_counter() - start,
         )
+
+    async def _follow(self, draining: asyncio.Future) -> None:
+        """A non-source rank: drain the export and, as a fan-out member, take part in every bucket; both run to
+        their end (the peers' collectives pair up with them) before the first failure is raised."""
+        following = [] if self._fan_out is None else [self._fan_out.follow(timeout_s=self._bucket_timeout_s)]
+        results = await asyncio.gather(draining, *following, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _end_fan_out(self, *, error: str | None) -> None:
+        if self._fan_out is not None:
+            await self._fan_out.end(error=error)
 
     async def _send_buckets(
         self,

@@ -2,9 +2,11 @@
 
 `ModelSource` is what a sync needs from one rank: the export of its Megatron model (every rank runs the gather's
 collectives; the stage's source rank receives the full HF tensors) and, on the source rank, the sender that packs
-and ships them. It owns a private event loop thread, so its blocking methods work the same from a plain Ray actor,
-an async actor (through `__ray_call__`) or a script. Pipelines with their own trainer actors create one through
-`miles_sync.embedding.attach_model`; `TrainerWorker` does the same for the model it builds.
+and ships them. Given a colocated feed plan (`feeds`), every rank of the plan also takes part in each colocated
+bucket: it hands its own copy to the engine ranks on its device. It owns a private event loop thread, so its
+blocking methods work the same from a plain Ray actor, an async actor (through `__ray_call__`) or a script.
+Pipelines with their own trainer actors create one through `miles_sync.embedding.attach_model`; `TrainerWorker`
+does the same for the model it builds.
 
 `TrainerWorker` is the trainer the launch code runs (one Ray actor per rank): its own gloo group on loopback,
 megatron-core model parallelism, the model built from the HF config the engines serve and loaded from the same
@@ -33,7 +35,8 @@ from miles_sync.protocol import Selector
 from miles_sync.report import BucketProgress
 from miles_sync.selector import ConversionMode
 from miles_sync.sender import SendResult, Sender, StageResult
-from miles_sync.transport.base import EngineEndpoint, GroupMembership
+from miles_sync.transport.base import EngineEndpoint, FeedPlan, FeedRole, GroupMembership, transport_spec
+from miles_sync.transport.colocated import PostedPayload, find_source_rank
 
 __all__ = [
     "ModelSource", "RankInfo", "RankSendResult", "SenderSettings", "TrainBatch", "TrainStepResult", "TrainerWorker",
@@ -57,6 +60,7 @@ class SenderSettings:
     http_timeout_s: float
     call_timeout_s: float
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
+    admin_api_key: str | None = field(default=None, repr=False)  # the engines' admin key, where they have one
     device: str = "cpu"
     hash_buckets: bool = True  # checksums of what was sent: verification needs them (see Sender)
 
@@ -130,6 +134,7 @@ class ModelSource:
         hf_config: Any,
         conversion: ConversionMode = ConversionMode.RAW,
         collective_timeout_s: float,
+        feeds: FeedPlan | None = None,
     ) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -138,6 +143,12 @@ class ModelSource:
 
         if not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s={collective_timeout_s} must be positive")
+        if feeds is not None and feeds.num_trainers != dist.get_world_size():
+            raise ValueError(
+                f"the colocated feed plan covers {feeds.num_trainers} trainer ranks, the trainer group has "
+                f"{dist.get_world_size()}"
+            )
+        self._feeds = feeds
         self._export_units, metadata = _exporter(
             model, hf_config=hf_config, conversion=ConversionMode(conversion), timeout_s=collective_timeout_s
         )
@@ -182,6 +193,12 @@ class ModelSource:
         """(Re)build the sender for `engines`; on the source rank this joins the update group while the engines do.
         Returns the membership bound to its port (non-source ranks return `membership` as given)."""
         self.close(timeout_s=settings.call_timeout_s)
+        role = None
+        if self._feeds is not None and transport_spec(settings.transport).feeds_from_every_rank:
+            # Every rank opens at once, before any send: the one moment a collective on the default group cannot
+            # interleave with the export's.
+            source_rank = find_source_rank(is_source=self._is_source)
+            role = FeedRole(plan=self._feeds, rank=self._info.rank, source_rank=source_rank)
         sender = Sender(
             transport=settings.transport if self._is_source else None,
             export=self._export,
@@ -191,8 +208,10 @@ class ModelSource:
             open_timeout_s=settings.open_timeout_s,
             http_timeout_s=settings.http_timeout_s,
             api_key=settings.api_key,
+            admin_api_key=settings.admin_api_key,
             device=settings.device,
             hash_buckets=settings.hash_buckets,
+            feeds=role,
         )
         bound = self._loop.run(
             sender.open(engines=engines, membership=membership),
@@ -216,6 +235,11 @@ class ModelSource:
             what=f"rank {self._info.rank} sending weights",
         )
         return RankSendResult(rank=self._info.rank, result=result, progress=tuple(progress))
+
+    def posted_payloads(self) -> tuple[PostedPayload, ...]:
+        """What this rank posted to engines in the last colocated send: each engine rank's feeder and the pid that
+        created the shared segment its handle names (empty on ranks that post nothing)."""
+        return () if self._sender is None else self._sender.posted_payloads()
 
     def stage(self) -> StageResult:
         """Export and pack the current weights ahead of the next send (every rank at once, as for `send`)."""
@@ -315,7 +339,8 @@ class TrainerWorker:
     """One Megatron rank (PP=1, EP=1): process group, model, checkpoint, optimizer, and its ModelSource.
 
     Lifecycle: construct on every rank (cheap), `host_store()` on rank 0, `setup(master_port=...)` on every rank at
-    the same time, then `train_step` on every rank with the same batch, and syncs through `source`.
+    the same time, then `train_step` on every rank with the same batch, and syncs through `source`. `feeds`: the
+    colocated feed plan of the placement (see ModelSource), None to feed every engine rank from the source.
     """
 
     def __init__(
@@ -330,6 +355,7 @@ class TrainerWorker:
         timeout_s: float = 120.0,
         attachment: str = "default",
         backend: str | None = None,
+        feeds: FeedPlan | None = None,
     ) -> None:
         problems = []
         if not 0 <= rank < trainer.world_size:
@@ -355,6 +381,7 @@ class TrainerWorker:
         self._timeout_s = timeout_s
         self._attachment = attachment
         self._backend = backend
+        self._feeds = feeds
         self._device = torch.device("cpu")
         self._store: Any = None
         self._model: Any = None
@@ -431,7 +458,8 @@ class TrainerWorker:
         self._optimizer = torch.optim.Adam(self._model.parameters(), lr=self._config.lr)
         # The same one call a pipeline with its own trainer makes: the controller reaches every rank through it.
         self._source = attach_model(
-            self._model, hf_config=hf_config, name=self._attachment, collective_timeout_s=self._timeout_s
+            self._model, hf_config=hf_config, name=self._attachment, collective_timeout_s=self._timeout_s,
+            feeds=self._feeds,
         )
         return self._source.describe()
 

@@ -9,6 +9,10 @@ Two implementations, chosen once by name (`create_transport`), never branched on
 Group membership is planned here as pure records: the controller owns it (ranks, world size, address), the
 distributed transport executes it. The trainer source is rank 0; engine i's TP rank r is
 rank_offset_i + r, offsets packed in engine order after the source.
+
+The colocated feed assignment is planned here too (`plan_feeds`): which trainer rank hands its own copy of each
+bucket to which engine TP rank (the one on the same device: a CUDA IPC handle only opens on its own GPU), and which
+trainer rank posts each engine's request. The colocated transport executes it.
 """
 
 from __future__ import annotations
@@ -24,15 +28,20 @@ from miles_sync.protocol import InitWeightsUpdateGroupRequest, Selector
 
 __all__ = [
     "TRANSPORTS",
+    "Device",
     "EngineEndpoint",
+    "EngineFeed",
     "EngineRanks",
     "EngineTarget",
+    "FeedPlan",
+    "FeedRole",
     "GroupMembership",
     "Transport",
     "TransportError",
     "TransportSpec",
     "create_transport",
     "needs_update_group",
+    "plan_feeds",
     "plan_membership",
     "transport_spec",
 ]
@@ -138,6 +147,121 @@ def plan_membership(
     )
 
 
+@dataclass(frozen=True, kw_only=True, order=True)
+class Device:
+    """One accelerator (or, on CPU clusters, one placement bundle): `node` is the node's address, or the name of
+    the placement group when devices come from a placement plan (all of a bundle sits on one node); `index` is
+    the device or bundle index there. Two processes on equal Devices can open each other's IPC handles."""
+
+    node: str
+    index: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineFeed:
+    """Who serves one engine: `feeders[r]` is the trainer rank whose copy of each bucket engine TP rank r maps;
+    `poster` gathers the engine's handles and posts its `update_weights_from_tensor` request."""
+
+    feeders: tuple[int, ...]
+    poster: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeedPlan:
+    """The colocated feed assignment of one fleet, engines in membership order (see `plan_feeds`)."""
+
+    num_trainers: int
+    engines: tuple[EngineFeed, ...]
+
+    @classmethod
+    def single_source(cls, *, tp_sizes: Sequence[int], rank: int = 0, num_trainers: int = 1) -> FeedPlan:
+        """Every engine rank fed and posted by trainer rank `rank`: the layout of a caller that gave no devices
+        (one copy of each bucket, every engine rank maps it; on GPU that only works where they share a device)."""
+        return cls(
+            num_trainers=num_trainers,
+            engines=tuple(EngineFeed(feeders=(rank,) * tp, poster=rank) for tp in tp_sizes),
+        )
+
+    @property
+    def feeding_ranks(self) -> tuple[int, ...]:
+        """Trainer ranks that hold a copy of every bucket, ascending."""
+        return tuple(sorted({r for e in self.engines for r in (*e.feeders, e.poster)}))
+
+    def feeds_of(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """(engine index, TP rank) of every engine rank that `rank` feeds, in engine order."""
+        return tuple((j, r) for j, e in enumerate(self.engines) for r, f in enumerate(e.feeders) if f == rank)
+
+    def posted_by(self, rank: int) -> tuple[int, ...]:
+        """Indices of the engines whose requests `rank` posts."""
+        return tuple(j for j, e in enumerate(self.engines) if e.poster == rank)
+
+    def check_engines(self, engines: Sequence[EngineEndpoint]) -> None:
+        """Raise ValueError naming every engine whose TP size differs from the plan's (or a count mismatch)."""
+        problems = []
+        if len(engines) != len(self.engines):
+            problems.append(f"the plan covers {len(self.engines)} engine(s), the fleet has {len(engines)}")
+        problems.extend(
+            f"engine {j} ({e.url}) runs {e.tp_size} TP rank(s), the plan feeds {len(f.feeders)}"
+            for j, (e, f) in enumerate(zip(engines, self.engines))
+            if e.tp_size != len(f.feeders)
+        )
+        if problems:
+            raise ValueError("the colocated feed plan does not match the engines: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeedRole:
+    """One trainer rank's view of a FeedPlan: its own rank and the export source's (which packs every bucket)."""
+
+    plan: FeedPlan
+    rank: int
+    source_rank: int
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks of the fan-out group: the source and every feeding rank, ascending."""
+        return tuple(sorted({self.source_rank, *self.plan.feeding_ranks}))
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank in self.members
+
+
+def plan_feeds(*, trainer_devices: Sequence[Device], engine_devices: Sequence[Sequence[Device]]) -> FeedPlan:
+    """Assign every engine TP rank the trainer rank on its own device (the lowest such rank), and every engine the
+    feeder of its TP rank 0 as poster. Pure.
+
+    `trainer_devices[i]`: trainer rank i's device; `engine_devices[j][r]`: engine j's TP rank r's. Raises
+    ValueError naming every engine rank without a co-located trainer rank (and empty inputs), before any sync.
+    """
+    problems = []
+    if not trainer_devices:
+        problems.append("no trainer ranks")
+    if not engine_devices:
+        problems.append("no engines")
+    problems.extend(f"engine {j} has no TP ranks" for j, ranks in enumerate(engine_devices) if not ranks)
+    first_rank: dict[Device, int] = {}
+    for rank, device in enumerate(trainer_devices):
+        first_rank.setdefault(device, rank)
+    orphans = [
+        f"engine {j} TP rank {r} on {d}"
+        for j, ranks in enumerate(engine_devices)
+        for r, d in enumerate(ranks)
+        if d not in first_rank
+    ]
+    if orphans:
+        problems.append(
+            "no trainer rank shares a device with " + ", ".join(orphans) + f" (trainer devices: {sorted(first_rank)})"
+        )
+    if problems:
+        raise ValueError("cannot plan colocated feeds: " + "; ".join(problems))
+    engines = []
+    for ranks in engine_devices:
+        feeders = tuple(first_rank[d] for d in ranks)
+        engines.append(EngineFeed(feeders=feeders, poster=feeders[0]))
+    return FeedPlan(num_trainers=len(trainer_devices), engines=tuple(engines))
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Moves flattened buckets from the trainer's source rank to every engine of one fleet.
@@ -173,6 +297,9 @@ class TransportSpec:
     # Buckets travel as handles to CPU shared memory: the sender packs straight into shared buffers, else every
     # bucket would be copied once more into a fresh segment when it is pickled.
     shares_cpu_memory: bool = False
+    # Engine ranks map memory of the trainer rank on their own device: every rank of a FeedPlan takes part in
+    # each bucket (see miles_sync.transport.colocated), not only the export source.
+    feeds_from_every_rank: bool = False
 
 
 TRANSPORTS: dict[str, TransportSpec] = {
@@ -188,6 +315,7 @@ TRANSPORTS: dict[str, TransportSpec] = {
         needs_update_group=False,
         endpoints=("/update_weights_from_tensor",),
         shares_cpu_memory=True,
+        feeds_from_every_rank=True,
     ),
 }
 

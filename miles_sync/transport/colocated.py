@@ -1,44 +1,455 @@
-"""Colocated transport: each bucket as handles to the source's memory, one payload per engine TP rank.
+"""Colocated transport: every engine TP rank maps a bucket in the memory of the trainer rank on its own device.
 
-The engine maps the handle (CPU shared memory here, CUDA IPC on GPU), copies what it keeps and answers; until then
-the source's buffer must stay alive and untouched, so `send_bucket` returns only after every engine answered. Each
-TP rank gets its own encoded payload: a payload carries one pending reference to the shared segment, released when
-that one receiver opens it, so one payload decoded twice would drop the source's own reference. The segment is
-released when the source drops the buffer (the sender keeps its two CPU pack buffers until it closes).
+A FeedPlan (miles_sync.transport.base) says which trainer rank feeds each engine rank and which one posts each
+engine's request. Its ranks and the export source form a fan-out group (gloo, created when the sender opens, so it
+never interleaves with the export's collectives on the trainer's default group). Per bucket, on every member:
+
+    source: announce the bucket (layout + selector), broadcast its bytes   -- members: receive into their own buffer
+    feeders: encode one handle per engine rank they feed (CPU shared memory here, CUDA IPC on GPU), all-gather them
+    posters: POST update_weights_from_tensor, payload i = the handle of engine rank i's feeder; all-gather outcomes
+
+Every member learns every outcome, so the whole group fails a bucket together and no feeder frees (or reuses) its
+buffer before the engines it feeds answered. After the last bucket, or a failure, the source announces the end of
+the send; followers return then. Each collective has the group's timeout, and one bucket's exchange always runs to
+its end (it is shielded from cancellation), so a failing rank still completes the collectives its peers are in.
+
+A payload carries one pending reference to its shared segment, released when its one receiver opens it, so every
+engine rank gets a payload encoded for it alone. A plan whose only member is the source (`FeedPlan.single_source`,
+the default without devices) runs the same steps without a group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
 
-from miles_sync.bucket import FlattenedBucket
+import torch
+
+from miles_sync.bucket import BucketEntry, FlattenedBucket
 from miles_sync.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
 from miles_sync.tensor_payload import FlattenedTensorMetadata, encode_flattened_bucket
-from miles_sync.transport.base import EngineTarget, GroupMembership, TransportError
+from miles_sync.transport.base import EngineTarget, FeedPlan, FeedRole, GroupMembership, TransportError
 
-__all__ = ["ColocatedTransport", "flattened_metadata"]
+__all__ = [
+    "BucketAnnouncement",
+    "ColocatedTransport",
+    "FanOut",
+    "FedPayload",
+    "PostedPayload",
+    "RankHandles",
+    "RankOutcomes",
+    "SendEnd",
+    "find_source_rank",
+    "flattened_metadata",
+    "open_fan_out",
+    "segment_pid",
+    "single_source_fan_out",
+]
+
+# torch's file_system strategy names a segment after the process that created it.
+_SEGMENT = re.compile(rb"/torch_([0-9]+)_[0-9]+_[0-9]+")
 
 
 def flattened_metadata(bucket: FlattenedBucket) -> list[FlattenedTensorMetadata]:
     """SGLang's per-tensor records of a flattened bucket (byte ranges; `numel` counts bytes). Pure."""
+    return _metadata(bucket.entries)
+
+
+def _metadata(entries: Sequence[BucketEntry]) -> list[FlattenedTensorMetadata]:
     return [
         FlattenedTensorMetadata(
             name=e.name, shape=tuple(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.num_bytes
         )
-        for e in bucket.entries
+        for e in entries
     ]
 
 
+# ---- records exchanged over the fan-out group (pickled by torch's object collectives) ----------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketAnnouncement:
+    """Source -> members: the next bucket's layout; its bytes follow in one broadcast."""
+
+    index: int
+    num_bytes: int
+    entries: tuple[BucketEntry, ...]
+    selector: Selector
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendEnd:
+    """Source -> members: the send is over (`error`: why it stopped early, None after the last bucket)."""
+
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FedPayload:
+    """One engine rank's payload, encoded by its feeder from the feeder's own copy of the bucket."""
+
+    engine: int
+    tp_rank: int
+    feeder: int
+    payload: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankHandles:
+    """A member's payloads for one bucket, or why it has none."""
+
+    rank: int
+    payloads: tuple[FedPayload, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankOutcomes:
+    """A member's failures for one bucket: its own, and those of the engines it posted to ("url: cause")."""
+
+    rank: int
+    failures: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PostedPayload:
+    """What a posting rank sent to one engine rank: whose memory the handle names. `segment_pid` is the pid in
+    the CPU shared-memory segment's name (the process that created it); None for CUDA IPC handles."""
+
+    engine: int
+    url: str
+    tp_rank: int
+    feeder: int
+    segment_pid: int | None
+
+
+def segment_pid(payload: str) -> int | None:
+    """The creating pid of the shared-memory segment a payload names (None if it names none, e.g. CUDA IPC)."""
+    found = _SEGMENT.search(base64.b64decode(payload))
+    return None if found is None else int(found.group(1))
+
+
+# ---- the group: gloo, or nothing when the source is the only member ----------------------------------------------
+
+
+class _Collectives(Protocol):
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    def broadcast_buffer(self, buffer: torch.Tensor) -> None: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def destroy(self) -> None: ...
+
+
+class _Solo:
+    """The source alone: every collective is the identity."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def broadcast_buffer(self, buffer: torch.Tensor) -> None:
+        return None
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def destroy(self) -> None:
+        return None
+
+
+class _GlooGroup:
+    """A gloo subgroup of the trainer's default group; the source (a global rank) is the root of broadcasts."""
+
+    def __init__(self, group: Any, *, source_rank: int, size: int) -> None:
+        self._group = group
+        self._source_rank = source_rank
+        self._size = size
+
+    def broadcast_object(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._source_rank, group=self._group)
+        return box[0]
+
+    def broadcast_buffer(self, buffer: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(buffer, src=self._source_rank, group=self._group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self._size
+        dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):  # already gone with the default group
+            dist.destroy_process_group(self._group)
+
+
+def _open_gloo(members: Sequence[int], *, source_rank: int, timeout_s: float) -> _Collectives | None:
+    """Collective over the default group (every trainer rank calls it, members or not): None off the group."""
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks=list(members), backend="gloo", timeout=timedelta(seconds=timeout_s))
+    if dist.get_rank() not in members:
+        return None
+    return _GlooGroup(group, source_rank=source_rank, size=len(members))
+
+
+def find_source_rank(*, is_source: bool) -> int:
+    """The export source's global rank, agreed by every trainer rank (a collective on the default group, for
+    `open` only; the default group's timeout bounds it). Raises ValueError unless exactly one rank is the source."""
+    import torch.distributed as dist
+
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(is_source))
+    sources = [rank for rank, flag in enumerate(flags) if flag]
+    if len(sources) != 1:
+        raise ValueError(f"trainer ranks {sources} are export sources; the colocated fan-out needs exactly one")
+    return sources[0]
+
+
+# ---- one rank's side of the fan-out -------------------------------------------------------------------------------
+
+
+class _ReceiveBuffer:
+    """A feeder's own copy of the current bucket: grows to the largest bucket, then reused (one bucket in flight).
+    On CPU it lives in a shared-memory segment, so its handle maps this rank's memory, with no copy at encoding."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < num_bytes:
+            self._buffer = None  # freed before the larger one is allocated
+            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+            if self._device.type == "cpu":
+                buffer.untyped_storage()._share_filename_cpu_()
+            self._buffer = buffer
+        return self._buffer[:num_bytes]
+
+
+@dataclass
+class _SendState:
+    num_buckets: int = 0
+    posted: list[PostedPayload] = field(default_factory=list)
+
+
+class FanOut:
+    """One trainer rank's side of the colocated fan-out (module docstring). The source calls `lead` per bucket and
+    `end` once per send; every other member calls `follow` once per send. Collectives run, in order, on one thread
+    of their own; HTTP posts on the caller's event loop. `engines[j]` is engine j's target on the rank that posts
+    its request (None elsewhere)."""
+
+    def __init__(
+        self,
+        *,
+        role: FeedRole,
+        collectives: _Collectives,
+        engines: Sequence[EngineTarget | None],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if len(engines) != len(role.plan.engines):
+            raise ValueError(f"{len(engines)} engine targets for a feed plan of {len(role.plan.engines)} engines")
+        missing = [j for j in role.plan.posted_by(role.rank) if engines[j] is None]
+        if missing:
+            raise ValueError(f"rank {role.rank} posts engines {missing} but has no target for them")
+        self._role = role
+        self._collectives = collectives
+        self._engines = tuple(engines)
+        self._buffer = _ReceiveBuffer(torch.device(device))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-fan-out")
+        self._pending: asyncio.Future | None = None
+        self._state = _SendState()
+        self._last_posted: tuple[PostedPayload, ...] = ()
+
+    @property
+    def role(self) -> FeedRole:
+        return self._role
+
+    @property
+    def is_source(self) -> bool:
+        return self._role.rank == self._role.source_rank
+
+    def posted(self) -> tuple[PostedPayload, ...]:
+        """What this rank posted during the last finished send, in order."""
+        return self._last_posted
+
+    async def lead(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
+        """Source: deliver one bucket through the group. Raises TransportError naming every failure (the whole
+        group saw the same ones). The exchange runs to its end even if the caller is cancelled."""
+        announcement = BucketAnnouncement(
+            index=self._state.num_buckets, num_bytes=bucket.num_bytes, entries=tuple(bucket.entries),
+            selector=selector,
+        )  # fmt: skip
+        self._pending = asyncio.ensure_future(self._exchange(announcement, bucket.buffer, timeout_s=timeout_s))
+        failures = await asyncio.shield(self._pending)
+        if failures:
+            raise TransportError(f"bucket of {len(bucket.entries)} tensors failed: " + "; ".join(failures))
+
+    async def end(self, *, error: str | None) -> None:
+        """Source: the send is over; lets every follower return. Waits for a bucket still in exchange first."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(BaseException):
+                await pending
+        self._finish_send()
+        await self._run(self._collectives.broadcast_object, SendEnd(error=error))
+
+    async def follow(self, *, timeout_s: float) -> None:
+        """Every other member: take part in each bucket until the source ends the send. Failures of a bucket are
+        the source's to report (it raises them); this raises only when the group itself fails."""
+        self._state = _SendState()  # what a send that broke off left behind is not this send's
+        while True:
+            message = await self._run(self._collectives.broadcast_object, None)
+            if isinstance(message, SendEnd):
+                self._finish_send()
+                return
+            if not isinstance(message, BucketAnnouncement):
+                raise TransportError(f"rank {self._role.rank}: unexpected fan-out message {type(message).__name__}")
+            await self._exchange(message, None, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self._collectives.destroy()
+        self._thread.shutdown(wait=False)
+
+    def _finish_send(self) -> None:
+        self._last_posted, self._state = tuple(self._state.posted), _SendState()
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def _exchange(
+        self, announcement: BucketAnnouncement, source_buffer: torch.Tensor | None, *, timeout_s: float
+    ) -> list[str]:
+        """One bucket on every member: announcement (source only here), bytes, handles, posts, outcomes."""
+        self._state.num_buckets += 1
+        if source_buffer is not None:
+            await self._run(self._collectives.broadcast_object, announcement)
+        buffer = await self._run(self._receive, announcement, source_buffer)
+        handles: list[RankHandles] = await self._run(
+            self._collectives.all_gather_object, self._encode(announcement, buffer)
+        )
+        own = await self._post(announcement, handles, timeout_s=timeout_s)
+        outcomes: list[RankOutcomes] = await self._run(
+            self._collectives.all_gather_object, RankOutcomes(rank=self._role.rank, failures=tuple(own))
+        )
+        return [f for outcome in outcomes for f in outcome.failures]
+
+    def _receive(self, announcement: BucketAnnouncement, source_buffer: torch.Tensor | None) -> torch.Tensor:
+        buffer = self._buffer.take(announcement.num_bytes) if source_buffer is None else source_buffer
+        self._collectives.broadcast_buffer(buffer)
+        return buffer
+
+    def _encode(self, announcement: BucketAnnouncement, buffer: torch.Tensor) -> RankHandles:
+        rank = self._role.rank
+        try:
+            metadata = _metadata(announcement.entries)
+            payloads = tuple(
+                FedPayload(
+                    engine=j, tp_rank=r, feeder=rank, payload=encode_flattened_bucket(buffer=buffer, metadata=metadata)
+                )
+                for j, r in self._role.plan.feeds_of(rank)
+            )
+        except Exception as exc:  # reported through the group, so every member fails this bucket together
+            return RankHandles(rank=rank, payloads=(), error=f"rank {rank} could not encode its handles: {exc}")
+        return RankHandles(rank=rank, payloads=payloads)
+
+    async def _post(
+        self, announcement: BucketAnnouncement, handles: Sequence[RankHandles], *, timeout_s: float
+    ) -> list[str]:
+        """Post this rank's engines' requests concurrently; returns their failures (and the feeders' errors)."""
+        errors = [h.error for h in handles if h.error is not None]
+        if errors:
+            return errors if self.is_source else []  # one copy of each feeder error is enough
+        by_rank = {(p.engine, p.tp_rank): p for h in handles for p in h.payloads}
+        posted = self._role.plan.posted_by(self._role.rank)
+        requests = []
+        for j in posted:
+            payloads = [by_rank[(j, r)] for r in range(len(self._role.plan.engines[j].feeders))]
+            requests.append(
+                UpdateWeightsFromTensorRequest(
+                    serialized_named_tensors=tuple(p.payload for p in payloads),
+                    load_format=LoadFormat.FLATTENED_BUCKET,
+                    flush_cache=False,  # the session flushes once before the first bucket
+                    selector=announcement.selector,
+                )
+            )
+            target = self._engines[j]
+            self._state.posted.extend(
+                PostedPayload(engine=j, url=target.client.url, tp_rank=p.tp_rank, feeder=p.feeder,
+                              segment_pid=segment_pid(p.payload))  # fmt: skip
+                for p in payloads
+            )
+        # The client times each call out itself (EngineError), so gather cannot wait forever.
+        results = await asyncio.gather(
+            *(
+                self._engines[j].client.update_weights_from_tensor(r, timeout_s=timeout_s)
+                for j, r in zip(posted, requests)
+            ),
+            return_exceptions=True,
+        )
+        return [
+            f"{self._engines[j].client.url}: {r}" for j, r in zip(posted, results) if isinstance(r, BaseException)
+        ]
+
+
+def open_fan_out(
+    *, role: FeedRole, engines: Sequence[EngineTarget | None], timeout_s: float, device: torch.device | str = "cpu"
+) -> FanOut | None:
+    """Create this rank's side of the fan-out. With more than one member this is a collective over the trainer's
+    default group that every trainer rank must enter (`open`, never during a send); returns None on a rank that
+    is not a member. Blocking."""
+    if len(role.members) == 1:  # the source alone: no group, on any rank (new_group must be called by all or none)
+        return FanOut(role=role, collectives=_Solo(), engines=engines, device=device) if role.is_member else None
+    collectives = _open_gloo(role.members, source_rank=role.source_rank, timeout_s=timeout_s)
+    if collectives is None:
+        return None
+    return FanOut(role=role, collectives=collectives, engines=engines, device=device)
+
+
+def single_source_fan_out(engines: Sequence[EngineTarget], *, device: torch.device | str = "cpu") -> FanOut:
+    """This process feeds and posts every engine rank from its own buffer (no group): the layout of callers that
+    gave no devices."""
+    role = FeedRole(plan=FeedPlan.single_source(tp_sizes=[e.tp_size for e in engines]), rank=0, source_rank=0)
+    return FanOut(role=role, collectives=_Solo(), engines=engines, device=device)
+
+
 class ColocatedTransport:
-    """Posts every bucket to every engine concurrently; one bucket in flight at a time."""
+    """The source rank's colocated transport: each bucket through its FanOut; one bucket in flight at a time.
+
+    Without a `fan_out` it feeds and posts every engine rank itself (`FeedPlan.single_source`, no group).
+    """
 
     name = "colocated"
 
-    def __init__(self, *, engines: Sequence[EngineTarget]) -> None:
+    def __init__(self, *, engines: Sequence[EngineTarget], fan_out: FanOut | None = None) -> None:
         if not engines:
             raise ValueError("ColocatedTransport needs at least one engine")
-        self._engines = tuple(engines)
+        self._owns_fan_out = fan_out is None
+        if fan_out is None:
+            fan_out = single_source_fan_out(engines)
+        if not fan_out.is_source:
+            raise ValueError(f"rank {fan_out.role.rank} is not the export source {fan_out.role.source_rank}")
+        self._fan_out = fan_out
+
+    @property
+    def fan_out(self) -> FanOut:
+        return self._fan_out
 
     async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> None:
         if membership is not None:
@@ -46,26 +457,9 @@ class ColocatedTransport:
         return None
 
     async def send_bucket(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
-        metadata = flattened_metadata(bucket)
-        requests = [
-            UpdateWeightsFromTensorRequest(
-                serialized_named_tensors=tuple(
-                    encode_flattened_bucket(buffer=bucket.buffer, metadata=metadata) for _ in range(e.tp_size)
-                ),
-                load_format=LoadFormat.FLATTENED_BUCKET,
-                flush_cache=False,  # the session flushes once before the first bucket
-                selector=selector,
-            )
-            for e in self._engines
-        ]
-        # The client times each call out itself (EngineError), so gather cannot wait forever.
-        results = await asyncio.gather(
-            *(e.client.update_weights_from_tensor(r, timeout_s=timeout_s) for e, r in zip(self._engines, requests)),
-            return_exceptions=True,
-        )
-        failures = [f"{e.client.url}: {r}" for e, r in zip(self._engines, results) if isinstance(r, BaseException)]
-        if failures:
-            raise TransportError(f"bucket of {len(bucket.entries)} tensors failed: " + "; ".join(failures))
+        await self._fan_out.lead(bucket, selector=selector, timeout_s=timeout_s)
 
     async def close(self, *, timeout_s: float) -> None:
-        return None  # nothing is held between buckets: the sender owns the buffers and their shared memory
+        # A given fan-out (and its group) belongs to the sender, as do the pack buffers.
+        if self._owns_fan_out:
+            self._fan_out.close()

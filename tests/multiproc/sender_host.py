@@ -29,6 +29,9 @@ class SenderSettings:
     bucket_bytes: int
     include_mtp: bool  # False: the MTP layer is frozen and never exported (raw mode without trained MTP layers)
     skip_names: tuple[str, ...] = ()  # tensors a faulty exporter would drop
+    # Colocated: plan the feeds from devices (this process and every engine rank on one device), as a placed
+    # trainer rank does, instead of the source-feeds-all default.
+    plan_feeds: bool = False
     bucket_timeout_s: float = 20.0
     open_timeout_s: float = 20.0
     http_timeout_s: float = 20.0
@@ -82,6 +85,7 @@ def run(conn, target_dir: str, gate_reached, gate_release) -> None:
 
 async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
     from miles_sync.sender import Sender
+    from miles_sync.transport.base import Device, FeedRole, plan_feeds
 
     checkpoint, num_hidden_layers = load_checkpoint(target_dir)
     state: dict[str, Any] = {"step": 0, "gate_unit": None, "sender": None, "settings": None}
@@ -107,6 +111,20 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
             skip_names=settings.skip_names,
         )  # fmt: skip
 
+    def feeds(settings: SenderSettings, engines) -> FeedRole | None:
+        if not settings.plan_feeds:
+            return None
+        device = Device(node="127.0.0.1", index=0)
+        plan = plan_feeds(trainer_devices=[device], engine_devices=[[device] * e.tp_size for e in engines])
+        return FeedRole(plan=plan, rank=0, source_rank=0)
+
+    def make_sender(settings: SenderSettings, *, feeds: FeedRole | None) -> Sender:
+        return Sender(
+            transport=settings.transport, export=export, names=names, bucket_bytes=settings.bucket_bytes,
+            bucket_timeout_s=settings.bucket_timeout_s, open_timeout_s=settings.open_timeout_s,
+            http_timeout_s=settings.http_timeout_s, feeds=feeds,
+        )  # fmt: skip
+
     while True:
         request_id, op, args = await asyncio.to_thread(conn.recv)
         try:
@@ -115,11 +133,7 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
                     await state["sender"].close()
                 settings: SenderSettings = args
                 state["settings"] = settings
-                state["sender"] = Sender(
-                    transport=settings.transport, export=export, names=names, bucket_bytes=settings.bucket_bytes,
-                    bucket_timeout_s=settings.bucket_timeout_s, open_timeout_s=settings.open_timeout_s,
-                    http_timeout_s=settings.http_timeout_s,
-                )  # fmt: skip
+                state["sender"] = make_sender(settings, feeds=None)
                 result = None
             elif op == "step":
                 state["step"] = args
@@ -130,6 +144,10 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
             elif op == "names":
                 result = await state["sender"].exported_names()
             elif op == "open":
+                settings = state["settings"]
+                if settings.plan_feeds:  # the plan needs the engines' TP sizes: rebuild the sender with it
+                    await state["sender"].close()
+                    state["sender"] = make_sender(settings, feeds=feeds(settings, args[0]))
                 result = await state["sender"].open(engines=args[0], membership=args[1])
             elif op == "send":
                 result = await state["sender"].send(

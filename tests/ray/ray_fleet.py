@@ -21,7 +21,13 @@ from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_train
 from miles_sync.config import TrainerConfig
 from miles_sync.engine.launcher import ReferenceEngineSpec
 from miles_sync.layout import WeightLayout
-from miles_sync.placement import PlacedGroups, PlacementPlan, create_placement_groups, plan_placement
+from miles_sync.placement import (
+    PlacedGroups,
+    PlacementPlan,
+    create_placement_groups,
+    plan_colocated_feeds,
+    plan_placement,
+)
 from miles_sync.selector import DraftKind
 from miles_sync.engine.client import EngineClient
 from miles_sync import rl
@@ -143,9 +149,11 @@ def started_fleet(
         # Engines and trainers start at the same time: each side spends most of its start-up importing.
         with ThreadPoolExecutor(max_workers=2) as pool:
             engines_future = pool.submit(create_engines, specs=[spec, spec], log_dir=log_dir, placement=placed)
+            # With the colocated transport each engine is fed by the trainer rank on its bundle.
             trainers_future = pool.submit(
-                create_trainers, trainer=trainer, checkpoint_dir=checkpoint_dir, placement=placed
-            )
+                create_trainers, trainer=trainer, checkpoint_dir=checkpoint_dir, placement=placed,
+                feeds=plan_colocated_feeds(plan),
+            )  # fmt: skip
             engines, trainers = engines_future.result(), trainers_future.result()
         stack.callback(engines.shutdown)
         fleet = Fleet(plan=plan, placed=placed, engines=engines, trainers=trainers, checkpoint_dir=checkpoint_dir)

@@ -157,7 +157,18 @@ def test_colocated_rounds(fleet):
     with controller_for(fleet, Transport.COLOCATED) as controller:
         assert ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S) is None  # no update group
         accept = run_rounds(fleet, controller)
+        # Engine j mapped trainer rank j's own memory: rank j posted engine j's requests, and every handle in them
+        # names a shared segment that rank j's process created (torch names segments "/torch_<pid>_...").
+        urls = current_urls(fleet.engines.actors)
+        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
+        for rank, actor in enumerate(fleet.trainers.actors):
+            posted = ray.get(actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60)
+            assert posted, f"trainer rank {rank} posted nothing"
+            assert {(p.engine, p.url, p.tp_rank, p.feeder, p.segment_pid) for p in posted} == {
+                (rank, urls[rank], 0, rank, pids[rank])
+            }, posted
     print("colocated accept lengths", accept)
+
 
 
 @contextlib.contextmanager
@@ -226,7 +237,8 @@ def test_embedding_example_syncs_a_pipelines_own_trainers(fleet, reference_check
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RAY_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 2 and all(" committed:" in line and "selector target" in line for line in lines), lines
+    committed = " committed (verification: exact):"
+    assert len(lines) == 2 and all(committed in line and "selector target" in line for line in lines), lines
     after = {target_checksum(u) for u in urls}
     assert len(after) == 1 and after != before  # the pipeline's weights reached both engines
 
