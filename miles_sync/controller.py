@@ -3,8 +3,9 @@
 It runs each sync as one session (miles_sync.session) under the sync lease, and commits the version only when the
 session completed on every engine and the lease was still held. After a failed sync the session has torn the
 transport down; the controller plans a new membership (new group name, port from the OS) at the next sync. An
-engine that may hold partial weights, or that joined (or restarted) since the last successful sync, is stale
-until a sync succeeds on it: `serving_engines` leaves it out.
+engine that may hold partial weights is held: left paused (never reset), reported with the reason, and resumed by
+the first later sync that verifies on it. Held engines, and engines that joined (or restarted) since the last
+successful sync, are stale until a sync succeeds on them: `serving_engines` leaves them out.
 
 Async and bound to one event loop (its engine clients are); a Ray actor wraps it as an async actor.
 """
@@ -24,7 +25,7 @@ from miles_sync.lease import LeaseLostError, SyncLease
 from miles_sync.protocol import DEFAULT_GROUP_NAME, DestroyWeightsUpdateGroupRequest, PauseMode
 from miles_sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sender import WeightSource
-from miles_sync.session import SelectorInputs, SessionTimeouts, run_sync_session
+from miles_sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.transport.base import EngineEndpoint, GroupMembership, plan_membership, transport_spec
 
 __all__ = ["GroupSettings", "SyncController", "SyncError"]
@@ -66,6 +67,7 @@ class SyncController:
         staged: bool = False,
         group: GroupSettings = GroupSettings(),
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         lease: SyncLease | None = None,
         lease_wait_s: float = 30.0,
         show_progress: bool = True,
@@ -96,6 +98,7 @@ class SyncController:
         self._timeouts = timeouts
         self._group = group
         self._api_key = api_key
+        self._admin_api_key = admin_api_key
         # The lease outlives a stuck session by at most its TTL; a healthy one renews it every TTL / 3.
         self._lease = SyncLease(ttl_s=timeouts.sync_s) if lease is None else lease
         self._lease_wait_s = lease_wait_s
@@ -103,12 +106,13 @@ class SyncController:
         self._clients: dict[str, EngineClient] = {}
         self._tp_sizes: dict[str, int] = {}
         self._stale: set[str] = set()
+        self._held: dict[str, str] = {}  # engines left paused because they may hold partial weights -> why
+        # Each engine's checksum answer when the last sync verified on it: after a failed send, an engine that still
+        # answers it received nothing that changed its weights, and may serve again.
+        self._baselines: dict[str, EngineBaseline] = {}
         self._version = 0  # last committed
         self._last_attempt = 0  # versions are never reused, not even those of failed syncs
         self._weight_version = ""
-        # What every engine serves after the last committed sync (None before the first one): a failed send checks
-        # the engines against it, so that one the send never reached keeps serving.
-        self._committed_checksums: dict[str, str] | None = None
         self._progress: SyncProgress | None = None
         self._membership: GroupMembership | None = None
         self._is_open = False
@@ -143,6 +147,11 @@ class SyncController:
         return tuple(u for u in self._urls if u not in self._stale)
 
     @property
+    def held_engines(self) -> dict[str, str]:
+        """Engines left paused because they may hold partial weights -> the reason; a verified sync resumes them."""
+        return {u: self._held[u] for u in self._urls if u in self._held}
+
+    @property
     def progress(self) -> SyncProgress | None:
         """The running (or last) sync's acknowledged buckets so far; None before the first sync."""
         return self._progress
@@ -168,7 +177,9 @@ class SyncController:
         self._version = self._last_attempt = max(numeric, default=0)
 
     async def _connect_engine(self, url: str) -> None:
-        client = EngineClient(url, timeout_s=self._timeouts.control_s, api_key=self._api_key)
+        client = EngineClient(
+            url, timeout_s=self._timeouts.control_s, api_key=self._api_key, admin_api_key=self._admin_api_key
+        )
         try:
             info = await client.connect(required=(*CONTROL_ENDPOINTS, *self._spec.endpoints))
         except BaseException:
@@ -191,6 +202,8 @@ class SyncController:
                 await old.close()
             self._urls[self._urls.index(old_url)] = new_url
             self._stale.discard(old_url)
+            self._held.pop(old_url, None)
+            self._baselines.pop(old_url, None)
             self._tp_sizes.pop(old_url, None)
             await self._connect_engine(new_url)
             self._stale.add(new_url)
@@ -234,7 +247,8 @@ class SyncController:
                         timeouts=self._timeouts,
                         transport_name=self._transport,
                         on_bucket=on_bucket,
-                        committed_checksums=self._committed_checksums,
+                        baselines=self._baselines,
+                        held=tuple(self._held),
                     )
                 finally:
                     bar.close()
@@ -315,12 +329,17 @@ class SyncController:
         for engine in report.engines:
             if engine.is_stale:
                 self._stale.add(engine.url)
+                self._held.setdefault(engine.url, f"sync v{report.version}: {engine.message}")
             elif engine.success:
                 self._stale.discard(engine.url)
+                self._held.pop(engine.url, None)
+            if engine.weights_digest is not None and report.selector is not None:
+                self._baselines[engine.url] = EngineBaseline(selector=report.selector, digest=engine.weights_digest)
+            elif engine.is_stale:
+                self._baselines.pop(engine.url, None)  # its answer no longer describes a verified state
         if report.committed:
             self._version = int(report.version)
             self._weight_version = report.version
-            self._committed_checksums = dict(report.checksums) or None
         else:
             # The session tore the transport down on failure; the next sync re-creates it.
             self._is_open = False
@@ -339,7 +358,7 @@ class SyncController:
             phases=PhaseTimes(),
             total_s=seconds,
             engines=tuple(
-                EngineResult(url=u, success=False, is_stale=u in self._stale, message=error) for u in self._urls
+                EngineResult(url=u, success=False, is_stale=u in self._held, message=error) for u in self._urls
             ),
             error=error,
         )

@@ -48,8 +48,13 @@ class PhaseTimes:
 class EngineResult:
     """One engine's outcome of one sync.
 
-    `is_stale`: the engine may hold partial weights (the session opened on it and did not complete), so it must not
-    serve until a later full sync succeeds. `weight_version` is the version it serves after the sync, when known.
+    `is_stale`: the engine may hold partial weights (bytes may have reached it and the sync did not verify on it),
+    so it is left paused and must not serve until a later full sync verifies on it; its weights are never touched
+    to quarantine it. `weight_version` is the version it was tagged with, when known. `verification`: the check
+    that passed on it ("exact": tensor by tensor against the trainer; "replica": identical to the majority of the
+    engines with its layout; "unverified": no check could run, e.g. a single engine answering engine-parameter
+    digests; "" when verification is off or did not pass). `weights_digest`: one digest of its checksum answer for
+    the session's roles once verified, the baseline that a later failed sync compares the engine against.
     """
 
     url: str
@@ -58,6 +63,8 @@ class EngineResult:
     num_verified_tensors: int = 0
     weight_version: str | None = None
     message: str = ""
+    verification: str = ""
+    weights_digest: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +83,12 @@ class SyncReport:
     total_s: float
     engines: tuple[EngineResult, ...]
     error: str | None = None
-    # The trainer's checksum of every tensor it sent (HF name -> hex digest), empty when nothing was sent. After a
-    # committed sync these describe what every engine serves; the next failed sync checks survivors against them.
+    # The trainer's checksum of every tensor it sent (HF name -> hex digest), empty when nothing was sent.
     checksums: dict[str, str] = field(default_factory=dict)
+    # The checks that ran, fleet-wide: "off", or the distinct per-engine `verification` values joined by "+".
+    verification: str = "off"
+    # Problems that did not fail the sync (e.g. an in_place pause whose cache flush after resume never succeeded).
+    warnings: tuple[str, ...] = ()
 
     @property
     def gb_per_s(self) -> float:
@@ -92,7 +102,7 @@ class SyncReport:
     def summary(self) -> str:
         """One log line: outcome, version, volume, rate and the phase times."""
         p = self.phases
-        outcome = "committed" if self.committed else f"FAILED ({self.error})"
+        outcome = f"committed (verification: {self.verification})" if self.committed else f"FAILED ({self.error})"
         selector = "-" if self.selector is None else self.selector.value
         return (
             f"sync v{self.version} {outcome}: {self.num_bytes / 2**20:.1f} MiB in {self.num_buckets} buckets "

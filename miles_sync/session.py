@@ -1,17 +1,23 @@
-"""One sync session across every engine: DESIGN.md section 5 as one function, `run_sync_session`.
+"""One sync session across every engine: the data flow of one sync as one function, `run_sync_session`.
 
     selector (cross-checked against every engine's draft report, before anything is sent)
     pause (barrier) -> flush (unless in_place) -> begin(selector)
     source: export -> pack -> send, bucket by bucket
-    end -> update_weight_version -> verify (trainer checksums == every engine's, for the selected roles)
-    continue_generation for every engine that was paused, also on failure
+    end -> update_weight_version -> verify (miles_sync.verify: exact, or replica agreement)
+    continue_generation for every engine that may serve, also on failure; in_place: flush after the resume
 
 The session never raises for a failed sync: it returns a SyncReport with `committed` false, the error, and each
 engine's result. On failure the source's transport is torn down first, so that no engine stays blocked in a
-receive, and sessions left open are closed, so that the next sync can begin. Once the send has started, an engine
-on which the sync did not complete may hold partial weights: unless its checksums show it still holds the committed
-version, it is reported stale and quarantined, so that it refuses /generate until a later full sync (see
-`_abandon`); a failure before the send leaves every engine serving its old weights. Committing the version is the caller's decision, made from the report.
+receive, and sessions left open are closed, so that the next sync can begin.
+
+Failing closed: once the send has started, an engine on which the sync did not complete may hold partial weights.
+Unless its checksum answer still equals its baseline (its answer when the last sync verified on it), it is
+reported stale and left PAUSED: it gets no continue_generation, so it serves nothing, and its weights are never
+written to quarantine it (the weights checker's reset action fills SGLang's with random values and keeps
+serving). Engines the caller already holds paused (`held`) stay paused until a session verifies on them. Requests
+queued on a held engine wait there (abort mode dropped them at the pause) and run once a verified sync resumes it.
+A failure before the send leaves every engine serving its old weights. Committing the version is the caller's
+decision, made from the report.
 """
 
 from __future__ import annotations
@@ -22,26 +28,18 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from miles_sync.checksum import DRAFT_PREFIX, compare_checksums
 from miles_sync.engine.client import EngineClient
-from miles_sync.protocol import (
-    PauseMode,
-    RankChecksums,
-    Role,
-    Selector,
-    WeightsCheckerAction,
-    WeightsCheckerRequest,
-    selector_roles,
-)
+from miles_sync.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
 from miles_sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.selector import ConversionMode, SelectorMode, resolve_selector
 from miles_sync.sender import SendResult, WeightSource
+from miles_sync.verify import EXACT, Verdict, checksum_problems, replica_verdicts, weights_digest
 
 __all__ = [
+    "EngineBaseline",
     "SelectorInputs",
     "SessionError",
     "SessionTimeouts",
-    "checksum_problems",
     "choose_selector",
     "run_sync_session",
 ]
@@ -80,6 +78,15 @@ class SessionTimeouts:
             raise ValueError(f"session timeouts must be positive: {', '.join(bad)}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineBaseline:
+    """An engine's checksum answer, as one digest (miles_sync.verify.weights_digest), when the last sync verified
+    on it, for that sync's selector. A failed sync reads the answer again: equal means the send changed nothing."""
+
+    selector: Selector
+    digest: str
+
+
 async def run_sync_session(
     *,
     engines: Sequence[EngineClient],
@@ -92,32 +99,53 @@ async def run_sync_session(
     timeouts: SessionTimeouts,
     transport_name: str,
     on_bucket: Callable[[BucketProgress], None] | None = None,
-    committed_checksums: Mapping[str, str] | None = None,
+    baselines: Mapping[str, EngineBaseline] | None = None,
+    held: Collection[str] = (),
     staged: bool = False,
 ) -> SyncReport:
-    """Run one session: see the module docstring. `committed_checksums`: the checksums of the version the engines
-    serve (the last committed report's), used after a failed send to tell engines that still hold it intact from
-    engines that may hold partial weights; None (nothing committed yet) treats every engine as possibly partial. Mutates the engines' weights and version; never raises for a
-    failed sync (it is in the report), only for programming errors outside the session's steps."""
-    fleet = _Fleet(engines, timeout_s=timeouts.control_s, last_step="verify" if verify else "version")
+    """Run one session: see the module docstring. `baselines`: per engine URL, what the last verified sync left
+    (absent: the engine is treated as partial after any failed send). `held`: URLs of engines kept paused since an
+    earlier failure; they are resumed only by a session that completes on them. Mutates the engines' weights and
+    version; never raises for a failed sync (it is in the report), only for programming errors."""
+    fleet = _Fleet(engines, timeout_s=timeouts.control_s, last_step="verify" if verify else "version", held=held)
     clock = _PhaseClock()
     run = _Run()
     start = time.perf_counter()
     try:
         await asyncio.wait_for(
-            _sync(fleet, source=source, version=version, inputs=selector_inputs, pause_mode=pause_mode,
-                  verify=verify, staged=staged, clock=clock, run=run, on_bucket=on_bucket),
+            _sync(
+                fleet,
+                source=source,
+                version=version,
+                inputs=selector_inputs,
+                pause_mode=pause_mode,
+                verify=verify,
+                staged=staged,
+                clock=clock,
+                run=run,
+                on_bucket=on_bucket,
+            ),
             timeout=timeouts.sync_s,
-        )  # fmt: skip
+        )
     except Exception as exc:  # every failure of a step ends here and goes into the report
         # wait_for's own timeout carries no message; every step's errors do.
         run.error = str(exc) or f"{type(exc).__name__}: the sync did not finish within {timeouts.sync_s} s"
-        await _abandon(fleet, source=source, selector=run.selector, committed=committed_checksums)
+        await _abandon(fleet, source=source, selector=run.selector, baselines=baselines or {})
     finally:
         with clock.phase("resume"):
             await fleet.resume()
-    return _report(fleet, run, clock, version=version, previous_version=previous_version,
-                   transport_name=transport_name, total_s=time.perf_counter() - start)  # fmt: skip
+            if pause_mode is PauseMode.IN_PLACE:
+                run.warnings.extend(await fleet.flush_after_in_place_resume())
+    return _report(
+        fleet,
+        run,
+        clock,
+        version=version,
+        previous_version=previous_version,
+        transport_name=transport_name,
+        verify=verify,
+        total_s=time.perf_counter() - start,
+    )
 
 
 async def _sync(
@@ -140,7 +168,7 @@ async def _sync(
             await source.stage()
     with clock.phase("pause"):
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
-        if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running; the engine invalidates instead
+        if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running: flushed after the resume
             await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
         await fleet.step("begin", lambda e: e.begin_weight_update(selector, timeout_s=t))
     with clock.phase("send"):
@@ -190,67 +218,44 @@ async def choose_selector(
 
 
 async def _verify_fleet(fleet: _Fleet, *, sent: Mapping[str, str], selector: Selector) -> None:
-    """Every engine's checksums for the selected roles equal the trainer's; raises SessionError naming the
-    engine and tensor of every mismatch."""
+    """Each engine passes the strongest check its checksum answer allows (miles_sync.verify); raises SessionError
+    naming the engine and tensors of every failure."""
     request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
     results = await fleet.step("verify-checksum", lambda e: e.weights_checker(request, timeout_s=fleet.timeout_s))
+    answers = {e.url: r.ranks for e, r in zip(fleet.engines, results)}
+    hf_named = {e.url for e in fleet.engines if _checksum_names(e) is ChecksumNames.HF}
+    verdicts = replica_verdicts({u: a for u, a in answers.items() if u not in hf_named}, selector=selector)
+    for url in hf_named:
+        problems, num_verified = checksum_problems(sent=sent, ranks=answers[url], selector=selector)
+        verdicts[url] = Verdict(passed=not problems, method=EXACT, message=_shown(problems), num_verified=num_verified)
     failures = []
-    for engine, result in zip(fleet.engines, results):
-        problems, num_verified = checksum_problems(sent=sent, ranks=result.ranks, selector=selector)
-        fleet.state[engine.url].num_verified = num_verified
-        if problems:
-            fleet.fail(engine.url, "verify", _shown(problems))
-            failures.append(f"{engine.url}: {_shown(problems)}")
+    for engine in fleet.engines:
+        verdict, state = verdicts[engine.url], fleet.state[engine.url]
+        state.num_verified = verdict.num_verified
+        if verdict.passed:
+            state.done.add("verify")
+            state.verification = verdict.method
+            state.digest = weights_digest(answers[engine.url], selector=selector)
         else:
-            fleet.state[engine.url].done.add("verify")
+            fleet.fail(engine.url, "verify", verdict.message)
+            failures.append(f"{engine.url} ({verdict.method}): {verdict.message}")
     if failures:
-        raise SessionError("verification failed (trainer vs engine checksums): " + " | ".join(failures))
+        raise SessionError("verification failed: " + " | ".join(failures))
 
 
-def checksum_problems(
-    *, sent: Mapping[str, str], ranks: Sequence[RankChecksums], selector: Selector
-) -> tuple[list[str], int]:
-    """Compare the trainer's checksums of what it sent with one engine's report. Pure.
-
-    Per engine rank, restricted to the roles `selector` covers (draft names carry the "draft." prefix): every tensor
-    a selected runner holds must have been sent with the same checksum ("differs" / "extra": held but not sent),
-    and every sent tensor must be held by some selected runner. Returns (problem lines, number of tensors that
-    matched).
-    """
-    roles = selector_roles(selector)
-    problems: list[str] = [] if ranks else ["the engine reported no checksums"]
-    num_verified = 0
-    for index, rank in enumerate(ranks):
-        where = f"rank {index}: " if len(ranks) > 1 else ""
-        held = {name: c for name, c in rank.checksums.items() if _role_of(name) in roles}
-        expected: dict[str, str] = {}
-        for name, checksum in sent.items():
-            keys = [key for key in (name, DRAFT_PREFIX + name) if key in held]
-            if not keys:
-                problems.append(f"{where}sent {name}: no runner covered by selector {selector.value!r} holds it")
-            expected.update((key, checksum) for key in keys)
-        problems.extend(where + line for line in compare_checksums(expected, held))
-        num_verified += sum(1 for key, checksum in expected.items() if held.get(key) == checksum)
-    return problems, num_verified
-
-
-def _role_of(reported_name: str) -> Role:
-    return Role.DRAFT if reported_name.startswith(DRAFT_PREFIX) else Role.TARGET
+def _checksum_names(engine: EngineClient) -> ChecksumNames:
+    # What connect() learned; an engine never probed is assumed to answer as SGLang does.
+    return ChecksumNames.ENGINE if engine.info is None else engine.info.miles_sync_checksum_names
 
 
 async def _abandon(
-    fleet: _Fleet, *, source: WeightSource, selector: Selector | None, committed: Mapping[str, str] | None
+    fleet: _Fleet, *, source: WeightSource, selector: Selector | None, baselines: Mapping[str, EngineBaseline]
 ) -> None:
     """After a failure: tear down the source's transport first (an engine blocked in a receive then fails fast and
-    releases its weight lock), close every session left open so that the next begin succeeds, then quarantine the
-    engines that may hold partial weights.
-
-    An engine whose checksums for the session's roles still equal the committed version's received nothing that
-    changed its weights (e.g. a gloo broadcast that failed before its first byte arrived): it keeps serving that
-    version. Any other engine that the send may have reached is quarantined: end_weight_update alone would let it
-    serve its mix of old and new tensors under the old version. `weights_checker` reset_tensors, for the session's
-    selector only (a frozen draft is left alone), makes it refuse generation until a later session completes.
-    """
+    releases its weight lock), close every session left open so that the next begin succeeds, then find the
+    engines that still answer their baseline checksums (the send changed nothing on them: they may serve again).
+    Every other engine the send may have reached stays paused (see the module docstring); nothing is written to
+    any engine's weights."""
     with contextlib.suppress(Exception):
         await asyncio.wait_for(source.close(), timeout=fleet.timeout_s)
     if "begin" in fleet.attempted and "end" not in fleet.attempted:
@@ -258,37 +263,30 @@ async def _abandon(
         with contextlib.suppress(SessionError):
             await fleet.step("end-after-failure", lambda e: e.end_weight_update(timeout_s=fleet.timeout_s))
     partial = [e for e in fleet.engines if fleet.may_hold_partial_weights(e.url)]
-    if not partial or selector is None:
-        return
-    if committed:
-        partial = await _still_partial(fleet, partial, committed=committed, selector=selector)
-    if partial:
-        request = WeightsCheckerRequest(action=WeightsCheckerAction.RESET_TENSORS, selector=selector)
-        with contextlib.suppress(SessionError):
-            await fleet.step(
-                "quarantine", lambda e: e.weights_checker(request, timeout_s=fleet.timeout_s), only=partial
-            )
+    if partial and selector is not None:
+        await _mark_intact(fleet, partial, baselines=baselines, selector=selector)
 
 
-async def _still_partial(
-    fleet: _Fleet, engines: Sequence[EngineClient], *, committed: Mapping[str, str], selector: Selector
-) -> list[EngineClient]:
-    """The engines among `engines` whose checksums for `selector`'s roles differ from `committed` or could not be
-    read; the others are marked intact (they serve the committed version unchanged)."""
+async def _mark_intact(
+    fleet: _Fleet, engines: Sequence[EngineClient], *, baselines: Mapping[str, EngineBaseline], selector: Selector
+) -> None:
+    """Mark intact the engines among `engines` whose checksum answer for `selector`'s roles still equals their
+    baseline; the others (no baseline, another selector, different, or no answer) stay possibly partial."""
     request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
 
-    async def intact(engine: EngineClient) -> bool:
+    async def is_intact(engine: EngineClient) -> bool:
+        baseline = baselines.get(engine.url)
+        if baseline is None or baseline.selector != selector:
+            return False
         try:
             result = await engine.weights_checker(request, timeout_s=fleet.timeout_s)
         except Exception:  # unreachable or refusing: its state is unknown, so it is treated as partial
             return False
-        problems, _ = checksum_problems(sent=committed, ranks=result.ranks, selector=selector)
-        return not problems
+        return weights_digest(result.ranks, selector=selector) == baseline.digest
 
-    verdicts = await asyncio.gather(*(intact(e) for e in engines))
-    for engine, is_intact in zip(engines, verdicts):
-        fleet.state[engine.url].is_intact = is_intact
-    return [e for e, is_intact in zip(engines, verdicts) if not is_intact]
+    verdicts = await asyncio.gather(*(is_intact(e) for e in engines))
+    for engine, intact in zip(engines, verdicts):
+        fleet.state[engine.url].is_intact = intact
 
 
 @dataclass(kw_only=True)
@@ -296,16 +294,21 @@ class _EngineState:
     done: set[str] = field(default_factory=set)  # steps that succeeded on this engine
     message: str = ""  # the first failure, if any
     num_verified: int = 0
-    is_intact: bool = False  # checked after a failed send: still holds the committed version's weights
+    verification: str = ""  # the check that passed on it
+    digest: str | None = None  # its verified checksum answer, as one digest
+    is_intact: bool = False  # checked after a failed send: still answers its baseline checksums
 
 
 class _Fleet:
     """Runs one step on every engine concurrently and records, per engine, what succeeded and the first failure."""
 
-    def __init__(self, engines: Sequence[EngineClient], *, timeout_s: float, last_step: str) -> None:
+    def __init__(
+        self, engines: Sequence[EngineClient], *, timeout_s: float, last_step: str, held: Collection[str]
+    ) -> None:
         self.engines = tuple(engines)
         self.timeout_s = timeout_s
         self.last_step = last_step  # an engine succeeded when it got through this step
+        self.held = frozenset(held)
         self.state = {e.url: _EngineState() for e in self.engines}
         self.attempted: set[str] = set()
 
@@ -337,17 +340,40 @@ class _Fleet:
             state.message = f"{step}: {message}"
 
     async def resume(self) -> None:
-        """continue_generation on every engine a pause was sent to, whatever happened since; failures are recorded
-        per engine and never raised (this runs in `finally`)."""
-        if "pause" in self.attempted:
+        """continue_generation on every engine a pause was sent to that may serve, whatever happened since;
+        failures are recorded per engine and never raised (this runs in `finally`). A stale engine stays paused."""
+        serving = [e for e in self.engines if not self.is_stale(e.url)]
+        if "pause" in self.attempted and serving:
             with contextlib.suppress(SessionError):
-                await self.step("resume", lambda e: e.continue_generation(timeout_s=self.timeout_s))
+                await self.step("resume", lambda e: e.continue_generation(timeout_s=self.timeout_s), only=serving)
+
+    async def flush_after_in_place_resume(self) -> list[str]:
+        """An in_place pause keeps requests running, and SGLang refuses to flush its prefix cache while any runs,
+        so the cache is flushed once they let it (the client retries while the engine answers 400), within
+        `timeout_s`. Until then cached prefixes computed with the old weights may be reused. Returns a warning per
+        engine that could not be flushed; never raises."""
+        engines = [e for e in self.engines if "resume" in self.state[e.url].done and "send" in self.attempted]
+
+        async def flush(engine: EngineClient) -> str | None:
+            try:
+                await asyncio.wait_for(engine.flush_cache(timeout_s=self.timeout_s), timeout=self.timeout_s)
+            except Exception as exc:
+                return f"{engine.url}: prefix cache not flushed after the in_place resume: {exc or 'timed out'}"
+            return None
+
+        return [w for w in await asyncio.gather(*(flush(e) for e in engines)) if w is not None]
 
     def may_hold_partial_weights(self, url: str) -> bool:
         # Bytes may have reached this engine, it did not get through the sync's last step, and no check after the
         # failure found it unchanged.
         state = self.state[url]
         return "send" in self.attempted and self.last_step not in state.done and not state.is_intact
+
+    def is_stale(self, url: str) -> bool:
+        """Must stay paused: it may hold partial weights from this session, or was held from an earlier one and
+        this session did not complete on it."""
+        completed = self.last_step in self.state[url].done
+        return self.may_hold_partial_weights(url) or (url in self.held and not completed)
 
 
 @dataclass(kw_only=True)
@@ -356,6 +382,7 @@ class _Run:
     sent: SendResult | None = None
     error: str | None = None
     is_complete: bool = False
+    warnings: list[str] = field(default_factory=list)
 
 
 class _PhaseClock:
@@ -372,21 +399,31 @@ class _PhaseClock:
 
 
 def _report(
-    fleet: _Fleet, run: _Run, clock: _PhaseClock, *, version: str, previous_version: str, transport_name: str,
+    fleet: _Fleet,
+    run: _Run,
+    clock: _PhaseClock,
+    *,
+    version: str,
+    previous_version: str,
+    transport_name: str,
+    verify: bool,
     total_s: float,
-) -> SyncReport:  # fmt: skip
+) -> SyncReport:
     sent, s = run.sent, clock.seconds
     engines = tuple(
         EngineResult(
             url=url,
             success=fleet.last_step in state.done,
-            is_stale=fleet.may_hold_partial_weights(url),
+            is_stale=fleet.is_stale(url),
             num_verified_tensors=state.num_verified,
             weight_version=version if "version" in state.done else None,
-            message=state.message,
+            message=state.message or (_HELD_MESSAGE if fleet.is_stale(url) else ""),
+            verification=state.verification,
+            weights_digest=state.digest,
         )
         for url, state in fleet.state.items()
     )
+    methods = sorted({e.verification for e in engines if e.verification})
     return SyncReport(
         version=version,
         previous_version=previous_version,
@@ -409,7 +446,12 @@ def _report(
         engines=engines,
         error=run.error,
         checksums={} if sent is None else dict(sent.checksums),
+        verification="+".join(methods) if verify else "off",
+        warnings=tuple(run.warnings),
     )
+
+
+_HELD_MESSAGE = "held paused since an earlier failed sync: may hold partial weights"
 
 
 def _shown(problems: Collection[str]) -> str:

@@ -5,6 +5,12 @@ broadcast the bucket's buffer from rank 0, then await every engine's answer. The
 broadcast, because an engine answers only after it received the broadcast. Every step has a timeout, and a failed
 POST cannot leave the broadcast hanging: the broadcast has its own timeout, and a broken group is torn down.
 
+Never half-issued: once the engines were told to receive a bucket, its broadcast is issued whatever happens next
+(a failed POST, a cancelled send): the buffer is checked before the first POST, and the broadcast is handed to a
+thread before the first await, so a receiver is released by the bytes it waits for, then told the session failed.
+This matters most on NCCL, where tearing the source's side down does not release a receiver (SGLang's update
+group takes no timeout: an abandoned receiver waits out torch's default collective timeout).
+
 Set-up: the source starts the rendezvous store on a port the OS picks, then joins the group in a worker thread
 while every engine joins over HTTP, concurrently (each side blocks until all members arrived).
 """
@@ -12,6 +18,7 @@ while every engine joins over HTTP, concurrently (each side blocks until all mem
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -65,6 +72,7 @@ class DistributedTransport:
         self._device = torch.device(device)
         self._group: UpdateGroup | None = None
         self._membership: GroupMembership | None = None
+        self._delivery: asyncio.Future | None = None  # the last bucket's POSTs + broadcast
 
     async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> GroupMembership:
         if membership is None:
@@ -110,36 +118,62 @@ class DistributedTransport:
         if group is None or membership is None:
             raise TransportError("the distributed transport is not open (or was closed after a failure)")
         request = bucket_request(bucket, selector=selector, group_name=membership.group_name)
+        try:
+            group.check_broadcastable(bucket.buffer, src=membership.source_rank)  # before any engine is told
+        except ValueError as e:
+            raise TransportError(f"bucket of {len(bucket.entries)} tensors not sent: {e}") from None
+        delivery = asyncio.ensure_future(
+            self._deliver(bucket, request, group=group, src=membership.source_rank, timeout_s=timeout_s)
+        )
+        self._delivery = delivery
+        # A cancelled send leaves the delivery running to its end (bounded by its timeouts); close() waits for it.
+        failures = await asyncio.shield(delivery)
+        if failures:
+            raise TransportError(f"bucket of {len(bucket.entries)} tensors failed: " + "; ".join(failures))
+
+    async def _deliver(
+        self,
+        bucket: FlattenedBucket,
+        request: UpdateWeightsFromDistributedRequest,
+        *,
+        group: UpdateGroup,
+        src: int,
+        timeout_s: float,
+    ) -> list[str]:
+        """POST the metadata to every engine and broadcast the bucket; the failure lines, empty on success."""
         posts = [
             asyncio.create_task(e.client.update_weights_from_distributed(request, timeout_s=timeout_s))
             for e in self._engines
         ]
+        # Handed to a thread before any await: once the POSTs are out, the bytes follow (the receivers block in the
+        # broadcast until the source's half arrives, so it may well start first).
+        broadcast = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(group.broadcast, bucket.buffer, src=src, timeout_s=timeout_s)
+        )
         failures = []
         try:
-            # Let the POSTs leave before the broadcast thread starts; the broadcast waits for the receivers anyway.
-            await asyncio.sleep(0)
-            try:
-                await asyncio.to_thread(group.broadcast, bucket.buffer, src=membership.source_rank, timeout_s=timeout_s)
-                answer_wait_s = timeout_s
-            except (RuntimeError, TimeoutError) as e:
-                failures.append(f"broadcast of bucket ({bucket.num_bytes} bytes): {e}")
-                answer_wait_s = min(timeout_s, _FAILED_BROADCAST_GRACE_S)
-            done, pending = await asyncio.wait(posts, timeout=answer_wait_s)
-            for engine, post in zip(self._engines, posts):
-                if post in pending:
-                    failures.append(f"{engine.client.url}: no answer within {answer_wait_s} s")
-                elif post.exception() is not None:
-                    failures.append(f"{engine.client.url}: {post.exception()}")
-        finally:
-            for post in posts:
+            await broadcast
+            answer_wait_s = timeout_s
+        except (RuntimeError, TimeoutError) as e:
+            failures.append(f"broadcast of bucket ({bucket.num_bytes} bytes): {e}")
+            answer_wait_s = min(timeout_s, _FAILED_BROADCAST_GRACE_S)
+        done, pending = await asyncio.wait(posts, timeout=answer_wait_s)
+        for engine, post in zip(self._engines, posts):
+            if post in pending:
                 post.cancel()
-            await asyncio.gather(*posts, return_exceptions=True)
-        if failures:
-            raise TransportError(f"bucket of {len(bucket.entries)} tensors failed: " + "; ".join(failures))
+                failures.append(f"{engine.client.url}: no answer within {answer_wait_s} s")
+            elif post.exception() is not None:
+                failures.append(f"{engine.client.url}: {post.exception()}")
+        await asyncio.gather(*posts, return_exceptions=True)
+        return failures
 
     async def close(self, *, timeout_s: float) -> None:
         """Destroy this side's group first (that unblocks engines still waiting in a receive), then ask every
         engine to destroy its side; engine failures are ignored (a dead engine has nothing to destroy)."""
+        delivery, self._delivery = self._delivery, None
+        if delivery is not None and not delivery.done():
+            # A cancelled send's bucket is still being delivered: let the engines receive it and answer first.
+            await asyncio.wait({delivery}, timeout=timeout_s)
         group, membership = self._group, self._membership
         self._group, self._membership = None, None
         if group is not None:

@@ -90,12 +90,7 @@ class UpdateGroup:
         any dtype works, the bytes travel as they are.
         Raises TimeoutError or RuntimeError; after either the group is unusable.
         """
-        if not 0 <= src < self.world_size:
-            raise ValueError(f"src {src} is outside group {self.group_name!r} of size {self.world_size}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"broadcast needs a contiguous tensor; got strides {tensor.stride()}")
-        if tensor.device != self.device:
-            raise ValueError(f"group {self.group_name!r} broadcasts on {self.device}, tensor is on {tensor.device}")
+        self.check_broadcastable(tensor, src=src)
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
@@ -106,6 +101,16 @@ class UpdateGroup:
         # meets a peer that sends the typed tensor of the same byte size.
         raw = tensor.reshape(-1).view(torch.uint8)
         self._run(lambda pg: pg.broadcast([raw], options), what=f"broadcast from rank {src}", timeout_s=timeout_s)
+
+    def check_broadcastable(self, tensor: torch.Tensor, *, src: int) -> None:
+        """Raise ValueError when `broadcast(tensor, src=src)` would refuse it. Pure; callers that announce a
+        broadcast to its receivers first (over HTTP) check here before announcing it."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src {src} is outside group {self.group_name!r} of size {self.world_size}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"broadcast needs a contiguous tensor; got strides {tensor.stride()}")
+        if tensor.device != self.device:
+            raise ValueError(f"group {self.group_name!r} broadcasts on {self.device}, tensor is on {tensor.device}")
 
     def barrier(self, *, timeout_s: float) -> None:
         """Wait until every rank reached the barrier, at most `timeout_s` seconds."""

@@ -1,15 +1,21 @@
 """Full sync sessions through the controller class: a sender process holding a real model's tensors and two
 reference engine processes (frozen or trained MTP draft, AITER layout, strict finalize), over real gloo groups,
 shared memory and HTTP on loopback. Every sync is verified by checksums; the test also recomputes the expected
-checksums itself and reads them back from the engines."""
+checksums itself and reads them back from the engines.
+
+Every engine sits behind a recording proxy: after each test, no request the controller or the sender made may
+have asked an engine's weights checker to reset_tensors (on SGLang that fills the weights with random values and
+keeps serving them)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
 import pytest
+from recording_proxy import recording_proxy
 from reference_server import reference_server
 from sender_host import ProcessSource, SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
 
@@ -27,6 +33,7 @@ from miles_sync.protocol import (
 )
 from miles_sync.selector import ConversionMode, SelectorMode
 from miles_sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.transport.colocated import segment_pid
 
 BUCKET_BYTES = 256 * 1024  # the 2.7 MB target travels in about a dozen buckets
 COLLECTIVE_TIMEOUT_S = 15.0
@@ -46,8 +53,10 @@ TRAINED_DRAFT = SelectorInputs(
 )
 
 
-def settings(transport: str, *, include_mtp: bool) -> SenderSettings:
-    return SenderSettings(transport=transport, bucket_bytes=BUCKET_BYTES, include_mtp=include_mtp)
+def settings(transport: str, *, include_mtp: bool, plan_feeds: bool = False) -> SenderSettings:
+    return SenderSettings(
+        transport=transport, bucket_bytes=BUCKET_BYTES, include_mtp=include_mtp, plan_feeds=plan_feeds
+    )
 
 
 def start_engine(checkpoints: Path, log_dir: Path):
@@ -69,10 +78,40 @@ def source(reference_checkpoints):
     process_source.shutdown()
 
 
+class ProxiedEngine:
+    """An engine process reached through its recording proxy (`url` is the proxy's)."""
+
+    def __init__(self, server, proxy) -> None:
+        self.server = server
+        self.proxy = proxy
+        self.url = proxy.url
+        self.process = server.process
+
+
+@contextlib.contextmanager
+def proxied_engine(checkpoints: Path, log_dir: Path):
+    with start_engine(checkpoints, log_dir) as server, recording_proxy(server.url) as proxy:
+        PROXIES.append(proxy)
+        yield ProxiedEngine(server, proxy)
+
+
+PROXIES: list = []
+
+
+@pytest.fixture(autouse=True)
+def no_weights_are_reset():
+    """No failure path writes to an engine's weights: checked on every request each test sent to an engine."""
+    yield
+    resets = [(p.upstream, r) for p in PROXIES for r in p.requests_with(action="reset_tensors")]
+    for proxy in PROXIES:
+        proxy.requests.clear()
+    assert not resets, f"reset_tensors was sent: {resets}"
+
+
 @pytest.fixture(scope="module")
 def engines(reference_checkpoints, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("engines")
-    with start_engine(reference_checkpoints, log_dir) as a, start_engine(reference_checkpoints, log_dir) as b:
+    with proxied_engine(reference_checkpoints, log_dir) as a, proxied_engine(reference_checkpoints, log_dir) as b:
         yield [a, b]
 
 
@@ -155,7 +194,7 @@ def test_colocated_syncs_with_a_trained_draft(engines, source, checkpoint):
     urls = [e.url for e in engines]
 
     async def main():
-        await source.call("configure", settings("colocated", include_mtp=True))
+        await source.call("configure", settings("colocated", include_mtp=True, plan_feeds=True))
         ctl = controller(urls, source, transport="colocated", selector_inputs=TRAINED_DRAFT)
         await ctl.connect()
         reports = []
@@ -184,13 +223,32 @@ def test_colocated_syncs_with_a_trained_draft(engines, source, checkpoint):
             key = DRAFT_PREFIX + name if name.startswith(mtp_prefix) else name
             assert checksums[key] == value, name
     assert [r.meta_info.weight_version for r in responses] == [reports[-1].version] * 2
+    # Each engine mapped its feeder's own memory: every handle posted to it (as the engine's proxy received it)
+    # names a shared segment created by the sender process, its only co-located trainer rank.
+    for engine in engines:
+        posted = [  # without the body-less capability probe
+            r.body for r in engine.proxy.requests if r.path == "/update_weights_from_tensor" and r.body is not None
+        ]
+        assert len(posted) == sum(r.num_buckets for r in reports)
+        assert {segment_pid(b["serialized_named_tensors"][0]) for b in posted} == {source.process.pid}
 
 
-def test_verification_failure_names_tensor_and_engine_and_quarantines(engines, source, checkpoint):
+def test_failed_verification_holds_engines_paused_with_their_weights_untouched(engines, source, checkpoint):
+    """Bytes landed, then the sync failed: each engine stays paused and unrouted, holding exactly what it received
+    (new values) and what it kept (old values), nothing else; the next full sync verifies and resumes it."""
     urls = [e.url for e in engines]
     dropped = "model.norm.weight"
 
     async def main():
+        await source.call("configure", settings("distributed", include_mtp=False))
+        ctl = controller(urls, source, transport="distributed", selector_inputs=frozen_draft())
+        await ctl.connect()
+        try:
+            await source.call("step", 3)
+            await ctl.sync()  # the state before the failure: a verified version
+        finally:
+            await ctl.close()
+        before = [await engine_checksums(u, Selector.TARGET) for u in urls]
         faulty = SenderSettings(
             transport="distributed", bucket_bytes=BUCKET_BYTES, include_mtp=False, skip_names=(dropped,)
         )
@@ -202,29 +260,41 @@ def test_verification_failure_names_tensor_and_engine_and_quarantines(engines, s
             await source.call("step", 8)
             with pytest.raises(SyncError) as failed:
                 await ctl.sync()
-            refused = [await generate_status(u) for u in urls]
+            after = [await engine_checksums(u, Selector.TARGET) for u in urls]
+            paused = [await is_paused(u) for u in urls]
             versions = [await model_version(u) for u in urls]
-            stale = ctl.stale_engines
+            held, serving = ctl.held_engines, ctl.serving_engines
             committed_after_failure = ctl.weight_version
-            # A full export repairs both engines in the next sync.
+            # A full export repairs both engines in the next sync, which resumes them.
             await source.call("configure", settings("distributed", include_mtp=False))
             recovered = await ctl.sync()
+            resumed = [not await is_paused(u) for u in urls]
             served = [await generate(u) for u in urls]
         finally:
             await ctl.close()
-        return previous, committed_after_failure, failed.value.report, refused, versions, stale, recovered, served, ctl
+        return (previous, committed_after_failure, failed.value.report, before, after, paused, versions, held, serving,
+                recovered, resumed, served, ctl)  # fmt: skip
 
-    previous, committed, failure, refused, versions, stale, recovered, served, ctl = asyncio.run(main())
+    (previous, committed, failure, before, after, paused, versions, held, serving, recovered, resumed, served,
+     ctl) = asyncio.run(main())  # fmt: skip
     # The exporter dropped a tensor: every engine still holds its old copy, which the trainer never sent.
     assert not failure.committed and "verification failed" in failure.error
     for url in urls:
-        assert f"{url}: extra {dropped}" in failure.error
-    assert all(not e.success and e.is_stale for e in failure.engines) and stale == tuple(urls)
-    # update_weight_version ran before the verification; quarantined engines refuse to serve under any version.
+        assert f"{url} (exact): extra {dropped}" in failure.error
+    assert all(not e.success and e.is_stale for e in failure.engines)
+    assert sorted(held) == sorted(urls) and all("verify" in reason for reason in held.values()) and serving == ()
+    # Held, not reset: paused, and every tensor is the value it had before or the one the trainer sent.
+    assert paused == [True, True]
+    new = expected_checksums(checkpoint, step=8, include_mtp=False)
+    for old_sums, new_sums in zip(before, after):
+        assert set(new_sums) == set(old_sums)
+        assert new_sums[dropped] == old_sums[dropped]
+        assert all(new_sums[n] == new[n] for n in new_sums if n != dropped)
+    # update_weight_version ran before the verification, but the version is not committed.
     assert versions == [failure.version] * 2 and committed == previous
-    assert all(status == 503 and "partial weights" in message for status, message in refused)
     assert recovered.committed and int(recovered.version) == int(failure.version) + 1
-    assert ctl.stale_engines == () and ctl.serving_engines == tuple(urls)
+    assert recovered.verification == "exact" and all(e.verification == "exact" for e in recovered.engines)
+    assert resumed == [True, True] and ctl.held_engines == {} and ctl.serving_engines == tuple(urls)
     assert [r.meta_info.weight_version for r in served] == [recovered.version] * 2
 
 
@@ -287,10 +357,10 @@ def test_engine_killed_mid_sync_then_group_recreated(reference_checkpoints, sour
             failed_s = time.monotonic() - start
             await killer
             survivor_after_failure = await model_version(survivor.url)
-            refused = await generate_status(survivor.url)
+            survivor_paused = await is_paused(survivor.url)
 
             # A restarted engine joins; the next sync re-creates the group and gives it full, verified weights.
-            with start_engine(reference_checkpoints, tmp_path) as restarted:
+            with proxied_engine(reference_checkpoints, tmp_path) as restarted:
                 await ctl.replace_engine(victim.url, restarted.url)
                 assert ctl.stale_engines == (survivor.url, restarted.url)
                 await source.call("step", 7)
@@ -302,13 +372,13 @@ def test_engine_killed_mid_sync_then_group_recreated(reference_checkpoints, sour
                 await ctl.close()
         finally:
             await ctl.close()
-        return (good, failed.value.report, failed_s, survivor_after_failure, refused, recovered, served, held,
+        return (good, failed.value.report, failed_s, survivor_after_failure, survivor_paused, recovered, served, held,
                 first_membership, second_membership, serving, ctl)  # fmt: skip
 
-    with start_engine(reference_checkpoints, tmp_path) as survivor, start_engine(
+    with proxied_engine(reference_checkpoints, tmp_path) as survivor, proxied_engine(
         reference_checkpoints, tmp_path
     ) as victim:
-        (good, failure, failed_s, survivor_version, refused, recovered, served, held, first_membership,
+        (good, failure, failed_s, survivor_version, survivor_paused, recovered, served, held, first_membership,
          second_membership, serving, ctl) = asyncio.run(main(survivor, victim))  # fmt: skip
         survivor_url = survivor.url
 
@@ -318,9 +388,9 @@ def test_engine_killed_mid_sync_then_group_recreated(reference_checkpoints, sour
     assert failed_s < COLLECTIVE_TIMEOUT_S + TIMEOUTS.control_s
     assert "bucket" in failure.error
     assert survivor_version == "1"
-    # It loaded bucket 0 before the failure, so it may hold partial weights: stale, and it refuses generation.
+    # It loaded bucket 0 before the failure, so it may hold partial weights: stale, and held paused.
     assert failure.stale_engines == (survivor_url, failure.engines[1].url)
-    assert refused[0] == 503 and "partial weights" in refused[1]
+    assert survivor_paused
     # Recovery: a new group (new name and port), version 3 (2 is never reused), full verified weights on both.
     assert recovered.committed and recovered.version == "3" and ctl.version == 3
     assert second_membership.group_name != first_membership.group_name
@@ -335,11 +405,9 @@ async def model_version(url: str) -> str:
         return (await client.model_info()).weight_version
 
 
-async def generate_status(url: str) -> tuple[int | None, str]:
-    from miles_sync.engine.client import EngineError
+async def is_paused(url: str) -> bool:
+    import aiohttp
 
-    try:
-        await generate(url)
-    except EngineError as exc:
-        return exc.status, exc.message
-    return 200, ""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=20)) as answer:
+            return bool((await answer.json())["internal_states"][0]["is_paused"])

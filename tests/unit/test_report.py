@@ -68,7 +68,7 @@ def test_derived_figures():
 
 def test_summary_names_outcome_version_and_phases():
     line = report().summary()
-    assert line.startswith("sync v7 committed: ")
+    assert line.startswith("sync v7 committed (verification: off): ")
     for word in ("12 buckets", "321 tensors", "selector target", "distributed", "2.00 GB/s", "pause 0.250s",
                  "send 1.500s", "verify 0.062s", "total 2.500s"):  # fmt: skip
         assert word in line, (word, line)

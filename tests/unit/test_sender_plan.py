@@ -16,7 +16,7 @@ from miles_sync.export.units import ExportedUnit
 from miles_sync.plan import AtomicUnit, TensorMeta
 from miles_sync.protocol import LoadFormat, RankChecksums, Selector
 from miles_sync.sender import DoubleBuffer, Sender, pair_with_plans
-from miles_sync.session import checksum_problems
+from miles_sync.verify import checksum_problems
 from miles_sync.transport.base import (
     TRANSPORTS,
     EngineEndpoint,

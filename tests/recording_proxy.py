@@ -1,0 +1,105 @@
+"""A recording HTTP proxy on loopback, for tests that must show what a controller sent to an engine.
+
+    with recording_proxy(engine.url) as proxy:   # proxy.url speaks for the engine
+        ...
+    assert not proxy.requests_with(action="reset_tensors")
+
+It forwards every request (method, path, query, headers, body) to the upstream server unchanged and records the
+method, path and JSON body; answers come back unchanged. It runs on a thread of its own with its own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+
+
+@dataclass(frozen=True)
+class Recorded:
+    method: str
+    path: str
+    body: Any  # parsed JSON, or None
+
+
+class RecordingProxy:
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.url = ""
+        self.requests: list[Recorded] = []
+
+    def requests_with(self, **fields: Any) -> list[Recorded]:
+        """Recorded requests whose JSON body has every given field with the given value."""
+        return [
+            r for r in self.requests if isinstance(r.body, dict) and all(r.body.get(k) == v for k, v in fields.items())
+        ]
+
+    def paths(self) -> list[str]:
+        return [r.path for r in self.requests]
+
+    async def _handle(self, request: web.Request, session: aiohttp.ClientSession) -> web.Response:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            body = None
+        self.requests.append(Recorded(request.method, request.path, body))
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        async with session.request(
+            request.method, self.upstream + request.path_qs, data=raw, headers=headers,
+            timeout=aiohttp.ClientTimeout(total=600),
+        ) as answer:  # fmt: skip
+            payload = await answer.read()
+            kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
+            return web.Response(status=answer.status, body=payload, headers=kept)
+
+
+@contextlib.contextmanager
+def recording_proxy(upstream: str) -> Iterator[RecordingProxy]:
+    proxy = RecordingProxy(upstream)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def start() -> None:
+        session = aiohttp.ClientSession()
+        app = web.Application(client_max_size=2**30)
+        app.router.add_route("*", "/{tail:.*}", lambda r: proxy._handle(r, session))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        proxy.url = f"http://127.0.0.1:{port}"
+        state.update(runner=runner, session=session)
+        ready.set()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(start())
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, name="recording-proxy", daemon=True)
+    thread.start()
+    if not ready.wait(30):
+        raise RuntimeError("recording proxy did not start within 30 s")
+    try:
+        yield proxy
+    finally:
+
+        async def stop() -> None:
+            await state["session"].close()
+            await state["runner"].cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
