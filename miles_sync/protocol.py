@@ -25,6 +25,7 @@ from miles_sync.bucket import dtype_from_name, dtype_name
 from miles_sync.codec import decode, encode
 
 __all__ = [
+    "ALWAYS_OPEN_PREFIXES",
     "DEFAULT_GROUP_NAME",
     "ENDPOINTS",
     "QUERY_ENDPOINTS",
@@ -45,6 +46,7 @@ __all__ = [
     "InitWeightsUpdateGroupRequest",
     "LoadFormat",
     "ModelInfo",
+    "NORMAL_PATHS",
     "ParallelismInfo",
     "PauseGenerationRequest",
     "PauseMode",
@@ -482,6 +484,12 @@ ENDPOINTS: Mapping[str, type] = types.MappingProxyType(
 
 # Paths whose parameters travel in the query string -> the record of those parameters.
 QUERY_ENDPOINTS: Mapping[str, type] = types.MappingProxyType({"/flush_cache": FlushCacheRequest})
+
+# SGLang's auth levels (srt/utils/auth.py): these rollout and info routes are NORMAL (the API key, when the server
+# has one); paths under these prefixes are never guarded (probes, scrapers); every other route miles_sync calls is
+# ADMIN_OPTIONAL (the admin key when the server has one, else the API key).
+NORMAL_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/get_server_info", "/get_draft_report"})
+ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
 # Paths answering JSON -> the record of the answer. /flush_cache answers plain text (FlushCacheResult).
 RESPONSES: Mapping[str, type] = types.MappingProxyType(

@@ -41,7 +41,6 @@ from miles_sync.transport.base import (
     TRANSPORTS,
     EngineEndpoint,
     EngineTarget,
-    FeedPlan,
     FeedRole,
     GroupMembership,
     Transport,
@@ -399,7 +398,7 @@ class Sender:
             return self._feeds
         if self._transport_name is None or not transport_spec(self._transport_name).feeds_from_every_rank:
             return None
-        return FeedRole(plan=FeedPlan.single_source(tp_sizes=[e.tp_size for e in engines]), rank=0, source_rank=0)
+        return FeedRole.single_source(tp_sizes=[e.tp_size for e in engines])
 
     @property
     def _fan_out_timeout_s(self) -> float:

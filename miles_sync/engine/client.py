@@ -25,6 +25,8 @@ import aiohttp
 
 from miles_sync.codec import decode, encode
 from miles_sync.protocol import (
+    ALWAYS_OPEN_PREFIXES,
+    NORMAL_PATHS,
     ChecksumNames,
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
@@ -60,9 +62,6 @@ R = TypeVar("R")
 
 # Paths SGLang also serves on GET (a GET runs the handler): probed with a body its validation refuses instead.
 _SERVED_ON_GET = frozenset({"/weights_checker"})
-# SGLang's ADMIN_OPTIONAL routes: with an admin key configured they accept only that key (srt/utils/auth.py).
-_OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
-_NORMAL_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/get_server_info", "/get_draft_report"})
 
 # Added to SGLang 0.5.23 for update sessions; older servers lack them and would finalize on every payload.
 SESSION_ENDPOINTS: tuple[str, ...] = ("/begin_weight_update", "/end_weight_update")
@@ -349,9 +348,9 @@ class EngineClient:
             raise EngineError(url=self.url, endpoint=endpoint, status=200, message=f"{result.status}: {result.message}")
 
     def _headers_for(self, endpoint: str) -> dict[str, str]:
-        if endpoint.startswith(_OPEN_PATH_PREFIXES):
+        if endpoint.startswith(ALWAYS_OPEN_PREFIXES):
             return {}
-        return self._headers if endpoint in _NORMAL_PATHS else self._admin_headers
+        return self._headers if endpoint in NORMAL_PATHS else self._admin_headers
 
     async def _get_json(self, endpoint: str, *, timeout_s: float | None) -> Any:
         status, body = await self._request("GET", endpoint, timeout_s=timeout_s)

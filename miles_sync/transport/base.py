@@ -217,6 +217,11 @@ class FeedRole:
     rank: int
     source_rank: int
 
+    @classmethod
+    def single_source(cls, *, tp_sizes: Sequence[int]) -> FeedRole:
+        """The source (rank 0) alone, feeding and posting every engine rank: the role without devices."""
+        return cls(plan=FeedPlan.single_source(tp_sizes=tp_sizes), rank=0, source_rank=0)
+
     @property
     def members(self) -> tuple[int, ...]:
         """The ranks of the fan-out group: the source and every feeding rank, ascending."""

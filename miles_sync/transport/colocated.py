@@ -21,9 +21,7 @@ the default without devices) runs the same steps without a group.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,8 +32,8 @@ import torch
 
 from miles_sync.bucket import BucketEntry, FlattenedBucket
 from miles_sync.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
-from miles_sync.tensor_payload import FlattenedTensorMetadata, encode_flattened_bucket
-from miles_sync.transport.base import EngineTarget, FeedPlan, FeedRole, GroupMembership, TransportError
+from miles_sync.tensor_payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
+from miles_sync.transport.base import EngineTarget, FeedRole, GroupMembership, TransportError
 
 __all__ = [
     "BucketAnnouncement",
@@ -49,13 +47,8 @@ __all__ = [
     "find_source_rank",
     "flattened_metadata",
     "open_fan_out",
-    "segment_pid",
     "single_source_fan_out",
 ]
-
-# torch's file_system strategy names a segment after the process that created it.
-_SEGMENT = re.compile(rb"/torch_([0-9]+)_[0-9]+_[0-9]+")
-
 
 def flattened_metadata(bucket: FlattenedBucket) -> list[FlattenedTensorMetadata]:
     """SGLang's per-tensor records of a flattened bucket (byte ranges; `numel` counts bytes). Pure."""
@@ -128,12 +121,6 @@ class PostedPayload:
     tp_rank: int
     feeder: int
     segment_pid: int | None
-
-
-def segment_pid(payload: str) -> int | None:
-    """The creating pid of the shared-memory segment a payload names (None if it names none, e.g. CUDA IPC)."""
-    found = _SEGMENT.search(base64.b64decode(payload))
-    return None if found is None else int(found.group(1))
 
 
 # ---- the group: gloo, or nothing when the source is the only member ----------------------------------------------
@@ -425,7 +412,7 @@ def open_fan_out(
 def single_source_fan_out(engines: Sequence[EngineTarget], *, device: torch.device | str = "cpu") -> FanOut:
     """This process feeds and posts every engine rank from its own buffer (no group): the layout of callers that
     gave no devices."""
-    role = FeedRole(plan=FeedPlan.single_source(tp_sizes=[e.tp_size for e in engines]), rank=0, source_rank=0)
+    role = FeedRole.single_source(tp_sizes=[e.tp_size for e in engines])
     return FanOut(role=role, collectives=_Solo(), engines=engines, device=device)
 
 

@@ -245,17 +245,19 @@ def test_with_only_an_admin_key_normal_routes_are_open(reference_checkpoints, tm
         assert ADMIN_KEY not in server.log_tail(10**6)
 
 
-async def _sync_with_both_keys(url: str, weights: list) -> EngineError:
-    """The library's client: the API key alone cannot open a session; with both keys a whole session runs."""
-    async with EngineClient(url, timeout_s=TIMEOUT_S, api_key=API_KEY) as api_only:
-        await api_only.server_info()  # a normal route: the API key is the one it takes
+async def _refused_then_session(url: str, weights: list, *, refused_keys: dict, keys: dict) -> EngineError:
+    """Through the library's client: a client with `refused_keys` cannot open a session (its error is returned,
+    after a normal route answered it); a client with `keys` runs a whole session."""
+    async with EngineClient(url, timeout_s=TIMEOUT_S, **refused_keys) as refused_client:
+        if refused_keys.get("api_key") == API_KEY:
+            await refused_client.server_info()  # a normal route: the API key is the one it takes
         try:
-            await api_only.begin_weight_update(Selector.TARGET)
+            await refused_client.begin_weight_update(Selector.TARGET)
         except EngineError as error:
             refused = error
         else:
-            raise AssertionError("the API key opened a session on a server with an admin key")
-    async with EngineClient(url, timeout_s=TIMEOUT_S, api_key=API_KEY, admin_api_key=ADMIN_KEY) as client:
+            raise AssertionError(f"a client with the wrong key for admin routes opened a session on {url}")
+    async with EngineClient(url, timeout_s=TIMEOUT_S, **keys) as client:
         await client.connect()
         await client.begin_weight_update(Selector.TARGET)
         request = UpdateWeightsFromTensorRequest(
@@ -270,7 +272,12 @@ def test_the_client_syncs_with_both_keys_and_never_leaks_them(both_keys, referen
     target = reference_checkpoints / "target"
     skip = mtp_names(target)
     weights = sorted((n, t) for n, t in checkpoint_tensors(target).items() if n not in skip)
-    refused = asyncio.run(_sync_with_both_keys(both_keys.url, weights))
+    refused = asyncio.run(
+        _refused_then_session(
+            both_keys.url, weights, refused_keys={"api_key": API_KEY},
+            keys={"api_key": API_KEY, "admin_api_key": ADMIN_KEY},
+        )
+    )  # fmt: skip
     assert refused.status == 401 and API_KEY not in str(refused) and ADMIN_KEY not in str(refused)
     log = both_keys.log_path.read_text(errors="replace")
     assert "api key set, admin api key set" in log
@@ -280,30 +287,13 @@ def test_the_client_syncs_with_both_keys_and_never_leaks_them(both_keys, referen
 # ---- the key never leaks ------------------------------------------------------------------------------------------
 
 
-async def _full_session(url: str, weights: list) -> EngineError:
-    """A wrong-key call, then a complete session with the right key, through the library's client."""
-    async with EngineClient(url, timeout_s=TIMEOUT_S, api_key=WRONG_KEY) as wrong:
-        try:
-            await wrong.begin_weight_update(Selector.TARGET)
-        except EngineError as error:
-            refused = error
-        else:
-            raise AssertionError("a wrong key opened a session")
-    async with EngineClient(url, timeout_s=TIMEOUT_S, api_key=API_KEY) as client:
-        await client.begin_weight_update(Selector.TARGET)
-        request = UpdateWeightsFromTensorRequest(
-            serialized_named_tensors=(encode_named_tensors(weights),), selector=Selector.TARGET
-        )
-        await client.update_weights_from_tensor(request)
-        await client.end_weight_update()
-    return refused
-
-
 def test_the_key_never_reaches_the_log_or_info_answers(keyed, reference_checkpoints):
     target = reference_checkpoints / "target"
     skip = mtp_names(target)
     weights = sorted((n, t) for n, t in checkpoint_tensors(target).items() if n not in skip)
-    refused = asyncio.run(_full_session(keyed.url, weights))
+    refused = asyncio.run(
+        _refused_then_session(keyed.url, weights, refused_keys={"api_key": WRONG_KEY}, keys={"api_key": API_KEY})
+    )
     assert refused.status == 401
     assert API_KEY not in str(refused) and WRONG_KEY not in str(refused)
     info_paths = ("/get_server_info", "/model_info", "/get_model_info", "/get_draft_report")

@@ -33,7 +33,7 @@ from miles_sync.protocol import (
 )
 from miles_sync.selector import ConversionMode, SelectorMode
 from miles_sync.session import SelectorInputs, SessionTimeouts
-from miles_sync.transport.colocated import segment_pid
+from miles_sync.tensor_payload import segment_pid
 
 BUCKET_BYTES = 256 * 1024  # the 2.7 MB target travels in about a dozen buckets
 COLLECTIVE_TIMEOUT_S = 15.0

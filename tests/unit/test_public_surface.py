@@ -16,7 +16,7 @@ from miles_sync.codec import encode
 REQUIRED = "<required>"
 
 PROTOCOL_ALL = {
-    "DEFAULT_GROUP_NAME", "ENDPOINTS", "QUERY_ENDPOINTS", "RESPONSES",
+    "ALWAYS_OPEN_PREFIXES", "DEFAULT_GROUP_NAME", "ENDPOINTS", "NORMAL_PATHS", "QUERY_ENDPOINTS", "RESPONSES",
     "BeginWeightUpdateRequest", "ChecksumNames", "ContinueGenerationRequest", "DestroyWeightsUpdateGroupRequest",
     "EndWeightUpdateRequest", "FinishReason", "FinishReasonKind", "FlushCacheRequest", "FlushCacheResult",
     "GenerateMetaInfo", "GenerateRequest", "GenerateResponse", "GenerationControlResult",

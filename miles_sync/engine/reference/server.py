@@ -37,7 +37,9 @@ from miles_sync import __version__
 from miles_sync.codec import decode, encode
 from miles_sync.engine.reference.engine import ReferenceEngine
 from miles_sync.protocol import (
+    ALWAYS_OPEN_PREFIXES,
     ENDPOINTS,
+    NORMAL_PATHS,
     ContinueGenerationRequest,
     FlushCacheRequest,
     GenerateRequest,
@@ -60,10 +62,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HEALTH_PATHS = frozenset({"/health", "/health_generate"})
-NORMAL_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/get_server_info", "/get_draft_report"})
 ADMIN_PATHS = frozenset({*ENDPOINTS, "/flush_cache"} - NORMAL_PATHS - HEALTH_PATHS)
-# Paths SGLang never guards, matched by prefix as SGLang does (k8s probes, metrics scrapers carry no secret).
-_ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 # /get_server_info key naming what /weights_checker checksum answers ("hf" or "engine"). A real SGLang server
 # lacks it, and always answers engine names.
 CHECKSUM_NAMES_KEY = "miles_sync_checksum_names"
@@ -89,7 +88,7 @@ def decide_auth(
 
     Pure, and SGLang's `decide_request_auth` for the NORMAL and ADMIN_OPTIONAL levels: see the module docstring.
     """
-    if method == "OPTIONS" or path.startswith(_ALWAYS_OPEN_PREFIXES):
+    if method == "OPTIONS" or path.startswith(ALWAYS_OPEN_PREFIXES):
         return None
     if AuthLevel(level) is AuthLevel.ADMIN_OPTIONAL and admin_api_key:
         return None if _is_bearer(authorization, admin_api_key) else "admin api key"
