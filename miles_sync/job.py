@@ -41,7 +41,6 @@ from miles_sync.placement import (
     plan_placement,
 )
 from miles_sync.protocol import SamplingParams
-from miles_sync.transport.base import FeedPlan
 from miles_sync.report import ProgressBar, SyncReport
 from miles_sync.rl import make_prompts, mean_accept_length, reward, train_batch
 from miles_sync.run_report import (
@@ -55,6 +54,7 @@ from miles_sync.run_report import (
     table_header,
     write_png,
 )
+from miles_sync.transport.base import FeedPlan
 
 __all__ = ["JobActors", "JobResult", "run_job", "start_job_actors"]
 
