@@ -1,4 +1,4 @@
-"""Rollout actors: one `miles_sync.engine.launcher.RolloutWorker` per engine, wrapped with `ray.remote` here.
+"""Rollout actors: one `miles_sync.engine.rollout.RolloutWorker` per engine, wrapped with `ray.remote` here.
 
 Each actor launches its engine server as a subprocess on its own node and talks to it over HTTP; the controller
 and trainers are given the servers' URLs.
@@ -13,8 +13,10 @@ from typing import Any
 
 import ray
 
-from miles_sync.engine.launcher import EngineSpec, RolloutWorker
-from miles_sync.placement import PlacedGroups, Resources
+from actors.placement import PlacedGroups
+from miles_sync.engine.kinds import EngineSpec
+from miles_sync.engine.rollout import RolloutWorker
+from miles_sync.job.placement import Resources
 
 __all__ = ["DEFAULT_ENGINE_RESOURCES", "EngineGroup", "create_engines"]
 

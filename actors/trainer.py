@@ -1,4 +1,4 @@
-"""Trainer actors: one `miles_sync.trainer.TrainerWorker` per Megatron rank, wrapped with `ray.remote` here.
+"""Trainer actors: one `miles_sync.sync.source.TrainerWorker` per Megatron rank, wrapped with `ray.remote` here.
 
 `create_trainers` starts every rank (in its placement bundle when given one), lets rank 0 host the trainer group's
 rendezvous store on loopback, and sets every rank up at once (they join one gloo group, so setup is collective).
@@ -12,9 +12,11 @@ from typing import Any
 
 import ray
 
+from actors.placement import PlacedGroups
 from miles_sync.config import TrainerConfig
-from miles_sync.placement import PlacedGroups, Resources
-from miles_sync.trainer import RankInfo, TrainBatch, TrainerWorker, TrainStepResult
+from miles_sync.job.placement import Resources
+from miles_sync.job.trainer import TrainBatch, TrainerWorker, TrainStepResult
+from miles_sync.sync.source import RankInfo
 from miles_sync.transport.base import FeedPlan
 
 __all__ = ["DEFAULT_TRAINER_RESOURCES", "TrainerGroup", "create_trainers"]

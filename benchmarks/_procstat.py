@@ -16,9 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "FleetProbe", "PeakSampler", "ProcessSample", "child_pids", "command_name", "num_fds", "num_threads", "rss_bytes",
-    "sample_process", "shm_entries",
-]  # fmt: skip
+    "FleetProbe",
+    "PeakSampler",
+    "ProcessSample",
+    "child_pids",
+    "command_name",
+    "num_fds",
+    "num_threads",
+    "rss_bytes",
+    "sample_process",
+    "shm_entries",
+]
 
 
 def _status_field(pid: int, field: str) -> int:

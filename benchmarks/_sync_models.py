@@ -59,18 +59,58 @@ class ModelSpec:
 MODELS = {
     spec.name: spec
     for spec in (
-        ModelSpec(name="qwen3-22m-deep", vocab_size=8192, hidden_size=256, intermediate_size=384,
-                  num_hidden_layers=36, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-        ModelSpec(name="qwen3-55m", vocab_size=16384, hidden_size=512, intermediate_size=1536,
-                  num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=64),
-        ModelSpec(name="qwen3-113m", vocab_size=16384, hidden_size=768, intermediate_size=2048,
-                  num_hidden_layers=14, num_attention_heads=12, num_key_value_heads=4, head_dim=64),
-        ModelSpec(name="qwen3-256m", vocab_size=32768, hidden_size=1024, intermediate_size=2816,
-                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=64),
-        ModelSpec(name="qwen3-508m", vocab_size=32768, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+        ModelSpec(
+            name="qwen3-22m-deep",
+            vocab_size=8192,
+            hidden_size=256,
+            intermediate_size=384,
+            num_hidden_layers=36,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        ),
+        ModelSpec(
+            name="qwen3-55m",
+            vocab_size=16384,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=12,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+        ),
+        ModelSpec(
+            name="qwen3-113m",
+            vocab_size=16384,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=14,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=64,
+        ),
+        ModelSpec(
+            name="qwen3-256m",
+            vocab_size=32768,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+        ),
+        ModelSpec(
+            name="qwen3-508m",
+            vocab_size=32768,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
     )
-}  # fmt: skip
+}
 QUICK_MODELS = ("qwen3-22m-deep", "qwen3-55m", "qwen3-113m")
 FULL_MODELS = tuple(MODELS)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from miles_sync.checksum import tensor_checksum
+from miles_sync.weights.checksum import tensor_checksum
 
 # zlib.crc32 is listed as a non-cryptographic reference point only; 32 bits are too few for weight verification.
 _HASHLIB_ALGORITHMS = ("sha256", "sha1", "blake2b", "md5")

@@ -22,8 +22,8 @@ import torch
 
 from miles_sync.engine.reference.runner import load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
-from miles_sync.layout import WeightLayout
-from miles_sync.protocol import GenerateRequest, SamplingParams
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.protocol import GenerateRequest, SamplingParams
 
 # (row label, draft kind, extra finalizes of the draft)
 _ROWS = (

@@ -15,6 +15,7 @@ gloo (megatron-bridge all-gathers to every rank, the raw gather only to the sour
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -34,11 +35,23 @@ MODES = ("raw", "bridge")
 TIMEOUT_S = 600.0
 
 # ~99.5M parameters: 2 x 32000 x 768 embedding/output + 8 layers of 6.3M.
-FULL_MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
-                  num_attention_heads=12, num_key_value_heads=4)
+FULL_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+)
 # ~6M parameters, for a smoke run.
-QUICK_MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4)
+QUICK_MODEL = dict(
+    vocab_size=8000,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
 
 
 def checkpoint_dir(sizes: dict, cache_dir: str) -> Path:
@@ -120,19 +133,27 @@ def _worker(rank: int, port: int, checkpoint: str, repeats: int, out_dir: str) -
             converter = create_converter(auto_bridge.hf_pretrained.config.model_type, auto_bridge.hf_pretrained.config)
             exporter = bridge.BridgeExporter(auto_bridge, model)
             streams = {
-                "raw": lambda: iter_hf_units(model, converter=converter, timeout_s=TIMEOUT_S),
+                "raw": functools.partial(iter_hf_units, model, converter=converter, timeout_s=TIMEOUT_S),
                 "bridge": exporter.iter_units,
             }
             for mode in MODES:
                 times, num_bytes, num_units = _timed_stream(streams[mode], repeats=repeats)
                 if is_export_source() and rank == 0:
-                    rows.append({
-                        "mode": mode, "tp": tp, "dp": WORLD_SIZE // tp, "num_units": num_units, "num_bytes": num_bytes,
-                        "build_s": build_s, "best_s": min(times), "median_s": statistics.median(times),
-                        "gb_per_s": num_bytes / min(times) / 1e9,
-                        "gb_per_s_median": num_bytes / statistics.median(times) / 1e9,
-                    })
-            del model, exporter, auto_bridge
+                    rows.append(
+                        {
+                            "mode": mode,
+                            "tp": tp,
+                            "dp": WORLD_SIZE // tp,
+                            "num_units": num_units,
+                            "num_bytes": num_bytes,
+                            "build_s": build_s,
+                            "best_s": min(times),
+                            "median_s": statistics.median(times),
+                            "gb_per_s": num_bytes / min(times) / 1e9,
+                            "gb_per_s_median": num_bytes / statistics.median(times) / 1e9,
+                        }
+                    )
+            model = exporter = auto_bridge = None  # free before the next mode
             ps.destroy_model_parallel()
         if rank == 0:
             (Path(out_dir) / "rows.json").write_text(json.dumps(rows))
@@ -172,8 +193,10 @@ def run(*, quick: bool, repeats: int, cache_dir: str) -> dict:
                 p.join(10)
         errors = "\n".join(e.read_text() for e in sorted(Path(out_dir).glob("error.rank*.txt")))
         if errors or any(p.exitcode != 0 for p in processes):
-            raise RuntimeError(f"export benchmark workers failed (exit codes {[p.exitcode for p in processes]}):\n"
-                               f"{errors or '(timed out)'}")
+            raise RuntimeError(
+                f"export benchmark workers failed (exit codes {[p.exitcode for p in processes]}):\n"
+                f"{errors or '(timed out)'}"
+            )
         rows = json.loads((Path(out_dir) / "rows.json").read_text())
     num_params = _num_params(checkpoint)
     return {
@@ -191,8 +214,10 @@ def run(*, quick: bool, repeats: int, cache_dir: str) -> dict:
 
 def print_report(report: dict) -> None:
     model = report["model"]
-    print(f"export throughput, llama {model['num_params'] / 1e6:.1f}M params fp32, {report['world_size']} gloo "
-          f"processes, best of {report['repeats']} (median)")
+    print(
+        f"export throughput, llama {model['num_params'] / 1e6:.1f}M params fp32, {report['world_size']} gloo "
+        f"processes, best of {report['repeats']} (median)"
+    )
     by_key = {(r["mode"], r["tp"]): r for r in report["results"]}
     print(f"{'':>6} " + "".join(f"{mode + ' GB/s':>22}" for mode in MODES) + f"{'units':>8}{'MB':>9}{'build s':>9}")
     for tp in TP_SIZES:

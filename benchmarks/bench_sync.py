@@ -50,19 +50,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procstat import PeakSampler, rss_bytes  # noqa: E402
 from _sync_models import FULL_MODELS, MODELS, QUICK_MODELS, ModelSpec, checkpoint_dir, export_units  # noqa: E402
 
-from miles_sync.bucket import BucketEntry, FlattenedBucket  # noqa: E402
-from miles_sync.controller import GroupSettings, SyncController  # noqa: E402
-from miles_sync.engine.client import EngineClient  # noqa: E402
-from miles_sync.engine.launcher import EngineLauncher, ReferenceEngineSpec  # noqa: E402
+from miles_sync.engine.client import EngineClient
+from miles_sync.engine.process import EngineLauncher
+from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
-from miles_sync.protocol import PauseMode, Selector  # noqa: E402
-from miles_sync.report import BucketProgress, SyncReport  # noqa: E402
-from miles_sync.selector import ConversionMode, SelectorMode  # noqa: E402
-from miles_sync.sender import SendResult, Sender  # noqa: E402
-from miles_sync.session import SelectorInputs, SessionTimeouts  # noqa: E402
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.controller import GroupSettings, SyncController
+from miles_sync.sync.report import BucketProgress, SyncReport
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.sender import Sender, SendResult
+from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
 from miles_sync.transport.group import start_store_server  # noqa: E402
+from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
+from miles_sync.wire.protocol import PauseMode, Selector
 
 MIB = 2**20
 HOST = "127.0.0.1"
@@ -88,10 +90,15 @@ def gbps(num_bytes: int, seconds: float) -> float:
 
 def model_sender(tensors: dict[str, torch.Tensor], *, transport: str, bucket_bytes: int, verify: bool) -> Sender:
     return Sender(
-        transport=transport, export=lambda: export_units(tensors), names=lambda: list(tensors),
-        bucket_bytes=bucket_bytes, bucket_timeout_s=CALL_TIMEOUT_S, open_timeout_s=CALL_TIMEOUT_S,
-        http_timeout_s=CALL_TIMEOUT_S, hash_buckets=verify,  # as the controller service sets it
-    )  # fmt: skip
+        transport=transport,
+        export=lambda: export_units(tensors),
+        names=lambda: list(tensors),
+        bucket_bytes=bucket_bytes,
+        bucket_timeout_s=CALL_TIMEOUT_S,
+        open_timeout_s=CALL_TIMEOUT_S,
+        http_timeout_s=CALL_TIMEOUT_S,
+        hash_buckets=verify,  # as the controller service sets it
+    )
 
 
 class PerTensorSource:
@@ -112,8 +119,9 @@ class PerTensorSource:
     ) -> GroupMembership | None:
         await self.close()
         self._clients = [EngineClient(e.url, timeout_s=CALL_TIMEOUT_S) for e in engines]
-        transport = DistributedTransport(engines=[EngineTarget(client=c, tp_size=e.tp_size)
-                                                  for c, e in zip(self._clients, engines)])  # fmt: skip
+        transport = DistributedTransport(
+            engines=[EngineTarget(client=c, tp_size=e.tp_size) for c, e in zip(self._clients, engines)]
+        )
         bound = await transport.open(membership=membership, timeout_s=CALL_TIMEOUT_S)
         self._transport = transport
         return bound
@@ -129,8 +137,15 @@ class PerTensorSource:
             bucket = FlattenedBucket(buffer=raw, entries=(entry,))
             await self._transport.send_bucket(bucket, selector=selector, timeout_s=CALL_TIMEOUT_S)
             num_bytes += raw.numel()
-        return SendResult(num_bytes=num_bytes, num_buckets=len(self._tensors), num_tensors=len(self._tensors),
-                          checksums={}, export_s=0.0, pack_s=0.0, send_s=time.perf_counter() - start)  # fmt: skip
+        return SendResult(
+            num_bytes=num_bytes,
+            num_buckets=len(self._tensors),
+            num_tensors=len(self._tensors),
+            checksums={},
+            export_s=0.0,
+            pack_s=0.0,
+            send_s=time.perf_counter() - start,
+        )
 
     async def close(self) -> None:
         transport, self._transport = self._transport, None
@@ -153,14 +168,30 @@ class Measured:
     engine_peak_bytes: int = 0  # over the RSS the engine had right after it started (its receive buffer persists)
 
 
-def run_syncs(urls: Sequence[str], source, *, transport: str, verify: bool, repeats: int, staged: bool = False,
-              sample_pids: Sequence[int] = (), engine_start_rss: dict[int, int] | None = None) -> Measured:  # fmt: skip
+def run_syncs(
+    urls: Sequence[str],
+    source,
+    *,
+    transport: str,
+    verify: bool,
+    repeats: int,
+    staged: bool = False,
+    sample_pids: Sequence[int] = (),
+    engine_start_rss: dict[int, int] | None = None,
+) -> Measured:
     async def go() -> Measured:
         controller = SyncController(
-            engine_urls=urls, source=source, transport=transport, selector_inputs=NO_DRAFT,
-            pause_mode=PauseMode.RETRACT, verify=verify, timeouts=TIMEOUTS, staged=staged,
-            group=GroupSettings(master_address=HOST), show_progress=False,
-        )  # fmt: skip
+            engine_urls=urls,
+            source=source,
+            transport=transport,
+            selector_inputs=NO_DRAFT,
+            pause_mode=PauseMode.RETRACT,
+            verify=verify,
+            timeouts=TIMEOUTS,
+            staged=staged,
+            group=GroupSettings(master_address=HOST),
+            show_progress=False,
+        )
         # Sampled from before the first sync: buffers kept between syncs count as the sync's memory too. Free heap
         # left by earlier measurements goes back to the OS first, so that it neither hides nor inflates the growth.
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -199,7 +230,9 @@ def _ceiling_rank(rank: int, world_size: int, port: int, num_bytes: int, repeats
     import torch.distributed as dist
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=__import__("datetime").timedelta(seconds=300))
+    store = dist.TCPStore(
+        HOST, port, world_size, is_master=False, timeout=__import__("datetime").timedelta(seconds=300)
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     buffer = torch.ones(num_bytes, dtype=torch.uint8) if rank == 0 else torch.empty(num_bytes, dtype=torch.uint8)
     times = []
@@ -219,8 +252,10 @@ def ceiling_seconds(num_bytes: int, *, world_size: int, repeats: int) -> float:
     ctx = multiprocessing.get_context("spawn")
     store = start_store_server(host=HOST, timeout_s=300.0)  # listens on loopback only; outlives the ranks
     out = ctx.Queue()
-    ranks = [ctx.Process(target=_ceiling_rank, args=(r, world_size, store.port, num_bytes, repeats, out))
-             for r in range(world_size)]  # fmt: skip
+    ranks = [
+        ctx.Process(target=_ceiling_rank, args=(r, world_size, store.port, num_bytes, repeats, out))
+        for r in range(world_size)
+    ]
     for p in ranks:
         p.start()
     try:
@@ -286,8 +321,11 @@ def pickled_copy_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> f
     try:
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            parent.send_bytes(pickle.dumps({n: t.reshape(-1).view(torch.uint8).numpy().tobytes()
-                                            for n, t in tensors.items()}, protocol=5))  # fmt: skip
+            parent.send_bytes(
+                pickle.dumps(
+                    {n: t.reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}, protocol=5
+                )
+            )
             if not parent.poll(CALL_TIMEOUT_S):
                 raise TimeoutError("pickled-copy receiver did not answer")
             parent.recv_bytes()
@@ -348,30 +386,52 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     num_params = sum(t.numel() for t in tensors.values())
     num_engines = 4 if is_sweep_model else ENGINES
-    log(f"{spec.name}: {num_params / 1e6:.0f}M params, {len(tensors)} tensors, {num_bytes / MIB:.0f} MiB; "
-        f"starting {num_engines} engines")  # fmt: skip
+    log(
+        f"{spec.name}: {num_params / 1e6:.0f}M params, {len(tensors)} tensors, {num_bytes / MIB:.0f} MiB; "
+        f"starting {num_engines} engines"
+    )
     largest_unit = max(u.meta.num_bytes for u in export_units(tensors))
-    row: dict = {"model": spec.name, "params": num_params, "tensors": len(tensors), "bytes": num_bytes,
-                 "largest_unit_bytes": largest_unit}  # fmt: skip
+    row: dict = {
+        "model": spec.name,
+        "params": num_params,
+        "tensors": len(tensors),
+        "bytes": num_bytes,
+        "largest_unit_bytes": largest_unit,
+    }
     r = args.repeats
     with ExitStack() as stack:
         fleet = EngineFleet(stack, model_dir, count=num_engines, log_dir=args.log_dir)
         urls = fleet.urls(ENGINES)
         pids = [os.getpid(), *fleet.pids[:ENGINES]]
 
-        def ours(transport: str, *, verify: bool, bucket: int = DEFAULT_BUCKET, staged: bool = False,
-                 engine_urls: Sequence[str] = urls, sample: bool = False) -> Measured:  # fmt: skip
-            return run_syncs(engine_urls, model_sender(tensors, transport=transport, bucket_bytes=bucket, verify=verify),
-                             transport=transport, verify=verify, repeats=r, staged=staged,
-                             sample_pids=pids if sample else (), engine_start_rss=fleet.start_rss)  # fmt: skip
+        def ours(
+            transport: str,
+            *,
+            verify: bool,
+            bucket: int = DEFAULT_BUCKET,
+            staged: bool = False,
+            engine_urls: Sequence[str] = urls,
+            sample: bool = False,
+        ) -> Measured:
+            return run_syncs(
+                engine_urls,
+                model_sender(tensors, transport=transport, bucket_bytes=bucket, verify=verify),
+                transport=transport,
+                verify=verify,
+                repeats=r,
+                staged=staged,
+                sample_pids=pids if sample else (),
+                engine_start_rss=fleet.start_rss,
+            )
 
         log(f"{spec.name}: (a) miles_sync distributed")
         verified = ours("distributed", verify=True, sample=True).report
         unverified = ours("distributed", verify=False).report
         log(f"  {verified.summary()}")
         log(f"{spec.name}: (b) per-tensor baseline")
-        per_tensor = run_syncs(urls, PerTensorSource(tensors), transport="distributed", verify=False,
-                               repeats=max(1, r // 2)).report  # fmt: skip
+        per_tensor = run_syncs(
+            urls, PerTensorSource(tensors), transport="distributed", verify=False, repeats=max(1, r // 2)
+        ).report
         log(f"  {per_tensor.summary()}")
         log(f"{spec.name}: (c) Ray object store, (d) ceiling")
         ray_s = ray_object_store_seconds(tensors, num_engines=ENGINES, repeats=r)
@@ -414,23 +474,32 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             for bucket_mib in args.bucket_sweep:
                 log(f"{spec.name}: bucket {bucket_mib} MiB")
                 m = ours("distributed", verify=True, bucket=bucket_mib * MIB, sample=True)
-                row["bucket_sweep"].append({
-                    "bucket_mib": bucket_mib, "buckets": m.report.num_buckets,
-                    "send_gbps": gbps(num_bytes, m.report.phases.send_s), "total_s": m.report.total_s,
-                    "sender_peak_extra_mib": m.sender_peak_bytes / MIB, "engine_peak_extra_mib": m.engine_peak_bytes / MIB,
-                    "sender_extra_over_bucket": m.sender_peak_bytes / (bucket_mib * MIB),
-                    "engine_extra_over_bucket": m.engine_peak_bytes / (bucket_mib * MIB),
-                })  # fmt: skip
+                row["bucket_sweep"].append(
+                    {
+                        "bucket_mib": bucket_mib,
+                        "buckets": m.report.num_buckets,
+                        "send_gbps": gbps(num_bytes, m.report.phases.send_s),
+                        "total_s": m.report.total_s,
+                        "sender_peak_extra_mib": m.sender_peak_bytes / MIB,
+                        "engine_peak_extra_mib": m.engine_peak_bytes / MIB,
+                        "sender_extra_over_bucket": m.sender_peak_bytes / (bucket_mib * MIB),
+                        "engine_extra_over_bucket": m.engine_peak_bytes / (bucket_mib * MIB),
+                    }
+                )
             row["engine_sweep"] = []
             for count in range(1, num_engines + 1):
                 log(f"{spec.name}: {count} engine(s)")
                 report = ours("distributed", verify=True, engine_urls=fleet.urls(count)).report
-                row["engine_sweep"].append({
-                    "engines": count, "send_gbps": gbps(num_bytes, report.phases.send_s),
-                    "aggregate_send_gbps": count * gbps(num_bytes, report.phases.send_s),
-                    "total_s": report.total_s, "phases": vars(report.phases),
-                })  # fmt: skip
-    del tensors
+                row["engine_sweep"].append(
+                    {
+                        "engines": count,
+                        "send_gbps": gbps(num_bytes, report.phases.send_s),
+                        "aggregate_send_gbps": count * gbps(num_bytes, report.phases.send_s),
+                        "total_s": report.total_s,
+                        "phases": vars(report.phases),
+                    }
+                )
+    tensors = None  # release the model before the next one loads (closures above still name it)
     return row
 
 
@@ -439,8 +508,11 @@ def summarize(rows: list[dict]) -> dict:
     most_tensors = max(rows, key=lambda row: row["tensors"])
     # Rows where the bucket bounds the buffers: it holds the largest atomic unit (a larger unit travels in a buffer
     # of its own) and is smaller than the model (else the model, not the bucket, is the unit).
-    sweep = [s for s in largest.get("bucket_sweep", [])
-             if largest["largest_unit_bytes"] <= s["bucket_mib"] * MIB < largest["bytes"]]  # fmt: skip
+    sweep = [
+        s
+        for s in largest.get("bucket_sweep", [])
+        if largest["largest_unit_bytes"] <= s["bucket_mib"] * MIB < largest["bytes"]
+    ]
     return {
         "ratio_vs_ceiling": largest["ratio_vs_ceiling"],
         "end_to_end_gbps": largest["ours_end_to_end_gbps"],
@@ -456,26 +528,40 @@ def summarize(rows: list[dict]) -> dict:
 
 def print_tables(result: dict) -> None:
     print(f"\nmiles_sync sync benchmark - torch {result['torch']}, ray {result['ray']}, {result['cpu_count']} cores")
-    header = (f"{'model':<16}{'tensors':>8}{'MiB':>7}{'ours GB/s':>10}{'e2e GB/s':>9}{'ceiling':>8}{'vs ceil':>8}"
-              f"{'per-tensor':>11}{'speedup':>8}{'ray GB/s':>9}{'coloc':>7}{'pickle':>7}{'memcpy':>7}{'pause':>7}")
+    header = (
+        f"{'model':<16}{'tensors':>8}{'MiB':>7}{'ours GB/s':>10}{'e2e GB/s':>9}{'ceiling':>8}{'vs ceil':>8}"
+        f"{'per-tensor':>11}{'speedup':>8}{'ray GB/s':>9}{'coloc':>7}{'pickle':>7}{'memcpy':>7}{'pause':>7}"
+    )
     print(header)
     for row in result["models"]:
-        print(f"{row['model']:<16}{row['tensors']:>8}{row['bytes'] / MIB:>7.0f}{row['ours_send_gbps']:>10.2f}"
-              f"{row['ours_end_to_end_gbps']:>9.2f}{row['ceiling_gbps']:>8.2f}{row['ratio_vs_ceiling']:>8.2f}"
-              f"{row['per_tensor_send_gbps']:>11.2f}{row['speedup_vs_per_tensor']:>8.1f}{row['ray_gbps']:>9.2f}"
-              f"{row['colocated_send_gbps']:>7.2f}{row['pickled_copy_gbps']:>7.2f}{row['memcpy_gbps']:>7.2f}"
-              f"{row['pause_fraction_staged']:>7.2f}")  # fmt: skip
+        print(
+            f"{row['model']:<16}{row['tensors']:>8}{row['bytes'] / MIB:>7.0f}{row['ours_send_gbps']:>10.2f}"
+            f"{row['ours_end_to_end_gbps']:>9.2f}{row['ceiling_gbps']:>8.2f}{row['ratio_vs_ceiling']:>8.2f}"
+            f"{row['per_tensor_send_gbps']:>11.2f}{row['speedup_vs_per_tensor']:>8.1f}{row['ray_gbps']:>9.2f}"
+            f"{row['colocated_send_gbps']:>7.2f}{row['pickled_copy_gbps']:>7.2f}{row['memcpy_gbps']:>7.2f}"
+            f"{row['pause_fraction_staged']:>7.2f}"
+        )
     sweep_row = next(r for r in result["models"] if "bucket_sweep" in r)
-    print(f"\nbucket sweep ({sweep_row['model']}): MiB, buckets, send GB/s, sender extra MiB (x bucket), engine extra MiB")
+    print(
+        f"\nbucket sweep ({sweep_row['model']}): MiB, buckets, send GB/s, sender extra MiB (x bucket), engine extra MiB"
+    )
     for s in sweep_row["bucket_sweep"]:
-        print(f"  {s['bucket_mib']:>5} {s['buckets']:>4} {s['send_gbps']:>6.2f} {s['sender_peak_extra_mib']:>8.0f} "
-              f"({s['sender_extra_over_bucket']:.2f}x) {s['engine_peak_extra_mib']:>8.0f}")  # fmt: skip
+        print(
+            f"  {s['bucket_mib']:>5} {s['buckets']:>4} {s['send_gbps']:>6.2f} {s['sender_peak_extra_mib']:>8.0f} "
+            f"({s['sender_extra_over_bucket']:.2f}x) {s['engine_peak_extra_mib']:>8.0f}"
+        )
     print(f"engine sweep ({sweep_row['model']}): engines, send GB/s per engine, aggregate, total s")
     for s in sweep_row["engine_sweep"]:
         print(f"  {s['engines']} {s['send_gbps']:>6.2f} {s['aggregate_send_gbps']:>6.2f} {s['total_s']:>6.2f}")
     print("\nkeys:")
-    for key in ("ratio_vs_ceiling", "end_to_end_gbps", "speedup_vs_per_tensor", "colocated_vs_memcpy",
-                "pause_fraction", "peak_extra_mem_over_bucket"):  # fmt: skip
+    for key in (
+        "ratio_vs_ceiling",
+        "end_to_end_gbps",
+        "speedup_vs_per_tensor",
+        "colocated_vs_memcpy",
+        "pause_fraction",
+        "peak_extra_mem_over_bucket",
+    ):
         print(f"  {key} = {result[key]:.3f}")
 
 
@@ -489,8 +575,12 @@ def plot(result: dict, path: Path) -> None:
     sweep_row = next(r for r in rows if "bucket_sweep" in r)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     labels = [r["model"] for r in rows]
-    for key, name in (("ours_send_gbps", "miles_sync (send+load)"), ("per_tensor_send_gbps", "per-tensor"),
-                      ("ray_gbps", "Ray object store"), ("ceiling_gbps", "gloo ceiling")):  # fmt: skip
+    for key, name in (
+        ("ours_send_gbps", "miles_sync (send+load)"),
+        ("per_tensor_send_gbps", "per-tensor"),
+        ("ray_gbps", "Ray object store"),
+        ("ceiling_gbps", "gloo ceiling"),
+    ):
         axes[0].plot(labels, [r[key] for r in rows], marker="o", label=name)
     axes[0].set_ylabel("GB/s")
     axes[0].set_title("distributed path by model")
@@ -501,8 +591,13 @@ def plot(result: dict, path: Path) -> None:
     axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel("bucket MiB")
     twin = axes[1].twinx()
-    twin.plot([b["bucket_mib"] for b in buckets], [b["sender_peak_extra_mib"] for b in buckets], "r--", marker="s",
-              label="sender peak extra MiB")  # fmt: skip
+    twin.plot(
+        [b["bucket_mib"] for b in buckets],
+        [b["sender_peak_extra_mib"] for b in buckets],
+        "r--",
+        marker="s",
+        label="sender peak extra MiB",
+    )
     axes[1].set_title(f"bucket sweep ({sweep_row['model']})")
     axes[1].legend(loc="upper left")
     twin.legend(loc="lower right")
@@ -534,12 +629,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import ray
 
-    from miles_sync.cluster import connect_ray
+    from launch.cluster import connect_ray
     from miles_sync.config import ClusterConfig
 
     started = time.perf_counter()
-    sweep_model = max(names, key=lambda n: MODELS[n].num_hidden_layers * MODELS[n].hidden_size ** 2 * 12
-                      + MODELS[n].vocab_size * MODELS[n].hidden_size * 2)  # fmt: skip
+    sweep_model = max(
+        names,
+        key=lambda n: (
+            MODELS[n].num_hidden_layers * MODELS[n].hidden_size ** 2 * 12
+            + MODELS[n].vocab_size * MODELS[n].hidden_size * 2
+        ),
+    )
     with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
         rows = [bench_model(MODELS[n], args, is_sweep_model=n == sweep_model) for n in names]
     result = {

@@ -39,8 +39,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procstat import FleetProbe, ProcessSample, command_name, sample_process, shm_entries  # noqa: E402
 
-from miles_sync.cluster import connect_ray, prepare_environment  # noqa: E402
-from miles_sync.config import MilesSyncConfig, Transport, load_config  # noqa: E402
+from launch.cluster import connect_ray, prepare_environment
+from miles_sync.config import MilesSyncConfig, load_config
+from miles_sync.transport.base import TransportKind
 
 MIB = 2**20
 RSS_LIMIT_PCT = 5.0
@@ -111,7 +112,7 @@ class Fleet:
 @contextlib.contextmanager
 def start_fleet(config: MilesSyncConfig, *, log_dir: Path) -> Iterator[Fleet]:
     """The main job's actors, started and stopped by the job's own code; engine logs go to `log_dir`."""
-    from miles_sync.job import start_job_actors
+    from launch.job import start_job_actors
 
     with start_job_actors(config, log=log, engine_log_dir=log_dir) as actors:
         yield Fleet(trainers=actors.trainers, engines=actors.engines, controller=actors.controller)
@@ -145,13 +146,16 @@ class SyncLoop:
     """The job's round, once per sync: train step on the previous rollouts -> sync -> rollouts on every engine."""
 
     def __init__(self, fleet: Fleet, config: MilesSyncConfig) -> None:
-        from miles_sync.protocol import SamplingParams
+        from miles_sync.wire.protocol import SamplingParams
 
         self._fleet = fleet
         self._config = config
         rollout = config.rollout
-        self._sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                                        sampling_seed=config.seed if rollout.temperature > 0 else None)  # fmt: skip
+        self._sampling = SamplingParams(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            sampling_seed=config.seed if rollout.temperature > 0 else None,
+        )
         # Beyond the sync's own deadline, so the controller's precise error arrives before ours.
         self._timeout_s = config.sync.sync_timeout_s + 60.0
         self._checksums: dict[str, str] | None = None
@@ -160,7 +164,7 @@ class SyncLoop:
     def _rollouts(self, index: int) -> list[Any]:
         import ray
 
-        from miles_sync.rl import make_prompts
+        from miles_sync.job.rl import make_prompts
 
         rollout = self._config.rollout
         prompts = make_prompts(index, num_prompts=rollout.num_prompts, length=rollout.prompt_length)
@@ -170,8 +174,8 @@ class SyncLoop:
     def run(self, index: int) -> SyncRecord:
         import ray
 
-        from miles_sync.rl import train_batch
-        from miles_sync.run_report import round_record
+        from miles_sync.job.rl import train_batch
+        from miles_sync.job.run_report import round_record
 
         started = time.perf_counter()
         self._fleet.trainers.train_step(train_batch(self._samples), timeout_s=self._timeout_s)
@@ -188,11 +192,19 @@ class SyncLoop:
         self._checksums = dict(report.checksums)
         row = round_record(index, report, loss=0.0, accept_length=None, reward=0.0, samples_tagged=tagged)
         return SyncRecord(
-            index=index, version=report.version, committed=report.committed, verified=row.verified,
-            samples_tagged=tagged, num_tensors=report.num_tensors, num_changed_tensors=changed,
-            num_bytes=report.num_bytes, train_s=trained - started, sync_s=synced - trained,
-            rollout_s=time.perf_counter() - synced, error=report.error,
-        )  # fmt: skip
+            index=index,
+            version=report.version,
+            committed=report.committed,
+            verified=row.verified,
+            samples_tagged=tagged,
+            num_tensors=report.num_tensors,
+            num_changed_tensors=changed,
+            num_bytes=report.num_bytes,
+            train_s=trained - started,
+            sync_s=synced - trained,
+            rollout_s=time.perf_counter() - synced,
+            error=report.error,
+        )
 
 
 # ---- figures and verdict (pure) -------------------------------------------------------------------------------
@@ -226,23 +238,35 @@ def process_figures(
         before, after = at_warmup.get(pid), at_end.get(pid)
         if before is None and after is None:
             continue  # a transient child, gone before warm-up ended
-        rows.append(ProcessFigures(
-            role=role, pid=pid,
-            rss_warmup=None if before is None else before.rss_bytes, rss_end=None if after is None else after.rss_bytes,
-            rss_growth_pct=None if before is None or after is None else _pct(before.rss_bytes, after.rss_bytes),
-            fds_warmup=None if before is None else before.num_fds, fds_end=None if after is None else after.num_fds,
-            fd_growth=None if before is None or after is None else after.num_fds - before.num_fds,
-            threads_warmup=None if before is None else before.num_threads,
-            threads_end=None if after is None else after.num_threads,
-            rss_series=[s[pid].rss_bytes if pid in s else 0 for s in samples], rss_end_trimmed=trimmed.get(pid),
-        ))  # fmt: skip
+        rows.append(
+            ProcessFigures(
+                role=role,
+                pid=pid,
+                rss_warmup=None if before is None else before.rss_bytes,
+                rss_end=None if after is None else after.rss_bytes,
+                rss_growth_pct=None if before is None or after is None else _pct(before.rss_bytes, after.rss_bytes),
+                fds_warmup=None if before is None else before.num_fds,
+                fds_end=None if after is None else after.num_fds,
+                fd_growth=None if before is None or after is None else after.num_fds - before.num_fds,
+                threads_warmup=None if before is None else before.num_threads,
+                threads_end=None if after is None else after.num_threads,
+                rss_series=[s[pid].rss_bytes if pid in s else 0 for s in samples],
+                rss_end_trimmed=trimmed.get(pid),
+            )
+        )
     return rows
 
 
 def failures(
-    processes: Sequence[ProcessFigures], syncs: Sequence[SyncRecord], *, num_syncs: int, shm_at_warmup: set[str],
-    shm_at_end: set[str], shm_leaked: set[str], survivors: Sequence[str],
-) -> list[str]:  # fmt: skip
+    processes: Sequence[ProcessFigures],
+    syncs: Sequence[SyncRecord],
+    *,
+    num_syncs: int,
+    shm_at_warmup: set[str],
+    shm_at_end: set[str],
+    shm_leaked: set[str],
+    survivors: Sequence[str],
+) -> list[str]:
     """Every reason for a FAIL verdict (empty: PASS)."""
     reasons = []
     for p in processes:
@@ -303,13 +327,17 @@ def _show(value: float | int | None, spec: str = "") -> str:
 
 
 def print_table(processes: Sequence[ProcessFigures]) -> None:
-    print(f"{'process':<34}{'pid':>8}{'rss@warm MiB':>14}{'rss@end MiB':>13}{'growth %':>10}{'trimmed MiB':>13}"
-          f"{'fds@warm':>10}{'fds@end':>9}{'thr@warm':>10}{'thr@end':>9}")  # fmt: skip
+    print(
+        f"{'process':<34}{'pid':>8}{'rss@warm MiB':>14}{'rss@end MiB':>13}{'growth %':>10}{'trimmed MiB':>13}"
+        f"{'fds@warm':>10}{'fds@end':>9}{'thr@warm':>10}{'thr@end':>9}"
+    )
     for p in processes:
-        print(f"{p.role:<34}{p.pid:>8}{_mib(p.rss_warmup):>14}{_mib(p.rss_end):>13}{_show(p.rss_growth_pct, '.2f'):>10}"
-              f"{_mib(p.rss_end_trimmed):>13}"
-              f"{_show(p.fds_warmup):>10}{_show(p.fds_end):>9}{_show(p.threads_warmup):>10}"
-              f"{_show(p.threads_end):>9}")  # fmt: skip
+        print(
+            f"{p.role:<34}{p.pid:>8}{_mib(p.rss_warmup):>14}{_mib(p.rss_end):>13}{_show(p.rss_growth_pct, '.2f'):>10}"
+            f"{_mib(p.rss_end_trimmed):>13}"
+            f"{_show(p.fds_warmup):>10}{_show(p.fds_end):>9}{_show(p.threads_warmup):>10}"
+            f"{_show(p.threads_end):>9}"
+        )
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
@@ -363,9 +391,11 @@ def _log_sync(record: SyncRecord, figures: dict[int, ProcessSample], shm: set[st
     changed = "-" if record.num_changed_tensors is None else record.num_changed_tensors
     rss = sum(f.rss_bytes for f in figures.values())
     fds = sum(f.num_fds for f in figures.values())
-    log(f"sync {record.index:>3}/{num_syncs} v{record.version} {outcome}: sync {record.sync_s:.2f}s "
+    log(
+        f"sync {record.index:>3}/{num_syncs} v{record.version} {outcome}: sync {record.sync_s:.2f}s "
         f"(train {record.train_s:.2f}s, rollout {record.rollout_s:.2f}s), {changed}/{record.num_tensors} tensors "
-        f"changed; {len(figures)} processes: rss {rss / MIB:.0f} MiB, {fds} fds; {len(shm)} shm entries")  # fmt: skip
+        f"changed; {len(figures)} processes: rss {rss / MIB:.0f} MiB, {fds} fds; {len(shm)} shm entries"
+    )
 
 
 def _survivors(run: SoakRun) -> list[str]:
@@ -400,10 +430,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--syncs", type=int, default=100, help="syncs to run back to back (at least 2)")
     parser.add_argument("--warmup", type=int, default=None, help="syncs before the baseline (default min(10, N//4))")
-    parser.add_argument("--transport", choices=[t.value for t in Transport], default=Transport.DISTRIBUTED.value)
+    parser.add_argument(
+        "--transport", choices=[t.value for t in TransportKind], default=TransportKind.DISTRIBUTED.value
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override (repeatable), as in launch.run: rollout.max_new_tokens=16")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override (repeatable), as in launch.run: rollout.max_new_tokens=16",
+    )
     args = parser.parse_args(argv)
     if args.warmup is None:
         args.warmup = max(1, min(10, args.syncs // 4))
@@ -431,36 +469,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         processes = process_figures(run.labels, run.samples, warmup=args.warmup, trimmed=run.trimmed)
     shm_at_warmup = run.shm[args.warmup - 1] if ran_past_warmup else set()
     shm_at_end = run.shm[-1] if run.shm else set()
-    reasons = failures(processes, run.syncs, num_syncs=args.syncs, shm_at_warmup=shm_at_warmup,
-                       shm_at_end=shm_at_end, shm_leaked=leaked, survivors=survivors)  # fmt: skip
+    reasons = failures(
+        processes,
+        run.syncs,
+        num_syncs=args.syncs,
+        shm_at_warmup=shm_at_warmup,
+        shm_at_end=shm_at_end,
+        shm_leaked=leaked,
+        survivors=survivors,
+    )
     if run.error is not None:
         reasons.insert(0, f"the run failed: {run.error}")
     sync_times = [s.sync_s for s in run.syncs]
     print_table(processes)
     p50, p95 = percentile(sync_times, 50), percentile(sync_times, 95)
-    print(f"sync wall time p50 {_show(p50, '.3f')}s p95 {_show(p95, '.3f')}s over "
-          f"{len(sync_times)} syncs ({args.transport}); /dev/shm entries of this run: {len(run.run_shm)} seen, "
-          f"{len(shm_at_end)} at the end, {len(leaked)} after shutdown")  # fmt: skip
+    print(
+        f"sync wall time p50 {_show(p50, '.3f')}s p95 {_show(p95, '.3f')}s over "
+        f"{len(sync_times)} syncs ({args.transport}); /dev/shm entries of this run: {len(run.run_shm)} seen, "
+        f"{len(shm_at_end)} at the end, {len(leaked)} after shutdown"
+    )
     verdict = "FAIL" if reasons else "PASS"
     for reason in reasons:
         print(f"  - {reason}")
     print(f"verdict: {verdict}")
     if args.json is not None:
         payload = {
-            "verdict": verdict, "reasons": reasons, "error": run.error,
-            "num_syncs": args.syncs, "warmup": args.warmup, "transport": args.transport,
+            "verdict": verdict,
+            "reasons": reasons,
+            "error": run.error,
+            "num_syncs": args.syncs,
+            "warmup": args.warmup,
+            "transport": args.transport,
             "overrides": [*SOAK_OVERRIDES, *args.overrides],
             "limits": {"rss_growth_pct": RSS_LIMIT_PCT, "fd_tolerance": FD_TOLERANCE},
-            "sync_s_p50": p50, "sync_s_p95": p95,
+            "sync_s_p50": p50,
+            "sync_s_p95": p95,
             "sync_s_mean": statistics.fmean(sync_times) if sync_times else None,
             "wall_s": time.monotonic() - started,
             "processes": [asdict(p) for p in processes],
             "syncs": [{**asdict(s), "is_ok": s.is_ok} for s in run.syncs],
-            "shm": {"seen": sorted(run.run_shm), "at_warmup": sorted(shm_at_warmup), "at_end": sorted(shm_at_end),
-                    "leaked_after_shutdown": sorted(leaked)},  # fmt: skip
+            "shm": {
+                "seen": sorted(run.run_shm),
+                "at_warmup": sorted(shm_at_warmup),
+                "at_end": sorted(shm_at_end),
+                "leaked_after_shutdown": sorted(leaked),
+            },
             "survivors": survivors,
             "cpus": os.cpu_count(),
-        }  # fmt: skip
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)

@@ -29,8 +29,9 @@ import torch
 
 from actors.controller import create_controller
 from miles_sync.config import ModelConfig, SyncConfig
-from miles_sync.embedding import attach_model
-from miles_sync.engine.launcher import EngineLauncher, ReferenceEngineSpec
+from miles_sync.engine.process import EngineLauncher
+from miles_sync.engine.reference.launch import ReferenceEngineSpec
+from miles_sync.sync.attach import attach_model
 
 TIMEOUT_S = 300.0
 
@@ -45,8 +46,8 @@ class PipelineTrainer:
         from megatron.core import parallel_state
 
         from miles_sync.export.loader import load_hf_checkpoint
-        from miles_sync.export.model_builder import build_gpt_model
         from miles_sync.export.raw import create_converter
+        from miles_sync.megatron.model_builder import build_gpt_model
 
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
@@ -88,9 +89,13 @@ def run(*, checkpoint: str, engine_urls: list[str], num_steps: int, tp: int) -> 
     listener.listen(16)
     port = listener.getsockname()[1]
     store = torch.distributed.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno(),
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
         timeout=timedelta(seconds=TIMEOUT_S),
-    )  # fmt: skip
+    )
     listener.detach()  # the store owns the socket now and closes it
     trainer_class = ray.remote(PipelineTrainer).options(
         num_cpus=0.01, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}

@@ -26,10 +26,10 @@ def main(cfg: DictConfig) -> None:
     except ValueError as exc:
         print(f"launch.run: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    from miles_sync.cluster import prepare_environment
+    from launch.cluster import prepare_environment
 
     prepare_environment(config.cluster)  # before Ray is imported
-    from miles_sync.job import run_job  # imported after validation: it pulls in Ray and torch
+    from launch.job import run_job
 
     run_job(config)
 

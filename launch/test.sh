@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The project's test command: installs if needed, then runs the whole suite. Extra arguments go to pytest.
+# The project's test command: installs if needed, checks style (ruff) and the layering (import-linter contracts in
+# pyproject.toml), then runs the whole suite. Extra arguments go to pytest.
 # A run that collects no test (pytest exit code 5) is a failure, never a silent pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh || exit 1
+.venv/bin/ruff check . || exit 1
+.venv/bin/ruff format --check . || exit 1
+.venv/bin/lint-imports --no-cache || exit 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled
 .venv/bin/python -m pytest "$@"
 status=$?

@@ -4,7 +4,7 @@ OmegaConf cannot merge into frozen dataclasses (it marks their nodes read-only) 
 not by value. So loading goes through a structured *schema*: a mutable mirror of these records, derived from
 them (enums as their string values, tuples as lists). OmegaConf merges the YAML and the dotlist overrides into the
 schema, which rejects unknown keys and ill-typed scalars with the key's path; the plain container it produces is
-then decoded into the frozen records by miles_sync.codec, which checks enum values and runs each record's
+then decoded into the frozen records by miles_sync.wire.codec, which checks enum values and runs each record's
 validation. Every failure is a ValueError naming the dotted path of the key.
 """
 
@@ -24,24 +24,25 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from miles_sync.codec import decode, encode
-from miles_sync.layout import WeightLayout
-from miles_sync.protocol import PauseMode, WireEnum
-from miles_sync.selector import ConversionMode, DraftKind, SelectorMode
+from miles_sync.engine.kinds import EngineKind
+from miles_sync.engine.settings import EngineSettings, FinalizePolicy
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.transport.base import TransportKind
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.protocol import PauseMode
 
 __all__ = [
     "DEFAULT_CONFIG_DIR",
     "ClusterConfig",
     "EngineConfig",
-    "EngineKind",
-    "FinalizePolicy",
     "MilesSyncConfig",
     "ModelConfig",
     "RolloutConfig",
     "SyncConfig",
     "TrainerConfig",
-    "Transport",
-    "WeightLayout",
     "load_config",
     "to_config",
     "to_yaml",
@@ -52,29 +53,9 @@ DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 _MIB = 1024 * 1024
 
 
-class Transport(WireEnum):
-    """distributed: broadcast over a torch.distributed group; colocated: per-TP-rank tensor handles."""
-
-    DISTRIBUTED = "distributed"
-    COLOCATED = "colocated"
-
-
-class EngineKind(WireEnum):
-    REFERENCE = "reference"  # the built-in CPU engine
-    SGLANG = "sglang"
-
-
-class FinalizePolicy(WireEnum):
-    """strict: finalize exactly the runners that received bytes, and fail a selected runner that got none.
-    sglang: finalize every selected runner, as SGLang does (reproduces the double-transform bug)."""
-
-    STRICT = "strict"
-    SGLANG = "sglang"
-
-
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
-    transport: Transport = Transport.DISTRIBUTED
+    transport: TransportKind = TransportKind.DISTRIBUTED
     conversion: ConversionMode = ConversionMode.RAW
     bucket_bytes: int = 256 * _MIB
     selector: SelectorMode = SelectorMode.AUTO
@@ -128,6 +109,22 @@ class EngineConfig:
         if self.spec_steps < 1:
             problems.append(f"spec_steps={self.spec_steps} must be at least 1")
         _raise_if(problems)
+
+    def launch_settings(
+        self, *, model_dir: str, draft_dir: str | None = None, collective_timeout_s: float | None = None
+    ) -> EngineSettings:
+        """What launching one of these engines serving `model_dir` needs (`miles_sync.engine.kinds.engine_spec`)."""
+        return EngineSettings(
+            model_dir=model_dir,
+            draft_kind=self.draft_kind,
+            draft_dir=draft_dir,
+            weight_layout=self.weight_layout,
+            finalize_policy=self.finalize_policy,
+            spec_steps=self.spec_steps,
+            collective_timeout_s=collective_timeout_s,
+            api_key=self.api_key,
+            admin_api_key=self.admin_api_key,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,8 +181,11 @@ class RolloutConfig:
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        counts = {"num_prompts": self.num_prompts, "prompt_length": self.prompt_length,
-                  "max_new_tokens": self.max_new_tokens}  # fmt: skip
+        counts = {
+            "num_prompts": self.num_prompts,
+            "prompt_length": self.prompt_length,
+            "max_new_tokens": self.max_new_tokens,
+        }
         problems = [f"{name}={value} must be at least 1" for name, value in counts.items() if value < 1]
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature={self.temperature} must be a non-negative number")
@@ -382,7 +382,7 @@ def _schema_type(hint: Any) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
-        return typing.Optional[_schema_type(inner)]
+        return typing.Optional[_schema_type(inner)]  # noqa: UP045 - OmegaConf wants typing's generics
     if origin is tuple:
         return typing.List[_schema_type(args[0])]  # noqa: UP006 - OmegaConf wants typing's generics
     if isinstance(hint, type) and issubclass(hint, Enum):

@@ -55,9 +55,12 @@ class RecordingProxy:
         self.requests.append(Recorded(request.method, request.path, body))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         async with session.request(
-            request.method, self.upstream + request.path_qs, data=raw, headers=headers,
+            request.method,
+            self.upstream + request.path_qs,
+            data=raw,
+            headers=headers,
             timeout=aiohttp.ClientTimeout(total=600),
-        ) as answer:  # fmt: skip
+        ) as answer:
             payload = await answer.read()
             kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
             return web.Response(status=answer.status, body=payload, headers=kept)

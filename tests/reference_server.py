@@ -34,9 +34,14 @@ class ServerProcess:
     """A running `serve` subprocess and a minimal JSON client for it."""
 
     def __init__(
-        self, *, url: str, process: subprocess.Popen, log_path: Path, api_key: str | None,
+        self,
+        *,
+        url: str,
+        process: subprocess.Popen,
+        log_path: Path,
+        api_key: str | None,
         admin_api_key: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.url = url
         self.process = process
         self.log_path = log_path
@@ -122,11 +127,25 @@ def reference_server(
     `host=None` passes no --host, so serve picks its own default. The API key goes on the command line, the admin
     key through its environment variable (as EngineLauncher passes both); None options are not passed."""
     args = [
-        sys.executable, "-m", "miles_sync.engine.reference.serve",
-        "--model", str(model), "--draft-kind", draft_kind, "--weight-layout", weight_layout,
-        "--finalize-policy", finalize_policy, "--spec-steps", str(spec_steps),
-        "--port", "0", "--threads", "1", *extra_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "miles_sync.engine.reference.serve",
+        "--model",
+        str(model),
+        "--draft-kind",
+        draft_kind,
+        "--weight-layout",
+        weight_layout,
+        "--finalize-policy",
+        finalize_policy,
+        "--spec-steps",
+        str(spec_steps),
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        *extra_args,
+    ]
     if host is not None:
         args += ["--host", host]
     if draft is not None:
@@ -233,15 +252,25 @@ def joined_group(server: ServerProcess, *, group_name: str, timeout_s: float) ->
     store = start_store_server(host="127.0.0.1", timeout_s=timeout_s)
     join: list = []
     body = {
-        "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
-        "group_name": group_name, "backend": "gloo",
-    }  # fmt: skip
+        "master_address": "127.0.0.1",
+        "master_port": store.port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": group_name,
+        "backend": "gloo",
+    }
     joiner = threading.Thread(target=lambda: join.append(server.post("/init_weights_update_group", body)))
     joiner.start()
     group = create_update_group(
-        master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2, group_name=group_name,
-        backend="gloo", timeout_s=timeout_s, store=store,
-    )  # fmt: skip
+        master_address="127.0.0.1",
+        master_port=store.port,
+        rank=0,
+        world_size=2,
+        group_name=group_name,
+        backend="gloo",
+        timeout_s=timeout_s,
+        store=store,
+    )
     try:
         joiner.join(timeout_s)
         assert join and join[0][0] == 200, join

@@ -18,16 +18,16 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 
-from miles_sync.codec import decode, encode
-from miles_sync.protocol import (
+from miles_sync.wire.api import EngineError, ServerInfo
+from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.draft import DraftReport
+from miles_sync.wire.protocol import (
     ALWAYS_OPEN_PREFIXES,
     NORMAL_PATHS,
-    ChecksumNames,
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -48,14 +48,11 @@ from miles_sync.protocol import (
     WeightUpdateResult,
     WeightVersionResult,
 )
-from miles_sync.selector import DraftReport
 
 __all__ = [
     "CONTROL_ENDPOINTS",
     "SESSION_ENDPOINTS",
     "EngineClient",
-    "EngineError",
-    "ServerInfo",
 ]
 
 R = TypeVar("R")
@@ -74,41 +71,6 @@ CONTROL_ENDPOINTS: tuple[str, ...] = (
     "/continue_generation",
     "/weights_checker",
 )
-_MAX_MESSAGE_CHARS = 2000  # server messages are surfaced in exceptions; cap what a broken server can inject
-
-
-class EngineError(RuntimeError):
-    """An engine call failed. `status` is the HTTP status, None when no answer came (timeout, refused)."""
-
-    def __init__(self, *, url: str, endpoint: str, status: int | None, message: str) -> None:
-        message = message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "..."
-        self.url = url
-        self.endpoint = endpoint
-        self.status = status
-        self.message = message
-        answer = "no answer" if status is None else f"HTTP {status}"
-        super().__init__(f"engine {url} {endpoint}: {answer}: {message}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keyword-only __init__: rebuild explicitly so the error pickles across Ray and process boundaries.
-        return (_rebuild_engine_error, (self.url, self.endpoint, self.status, self.message))
-
-
-def _rebuild_engine_error(url: str, endpoint: str, status: int | None, message: str) -> EngineError:
-    return EngineError(url=url, endpoint=endpoint, status=status, message=message)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerInfo:
-    """The part of /get_server_info a sync needs; real servers send many more keys, which are ignored.
-
-    `miles_sync_checksum_names` is sent by the reference engine only; a server without it (SGLang) answers
-    engine-parameter digests.
-    """
-
-    tp_size: int = 1
-    speculative_algorithm: str | None = None
-    miles_sync_checksum_names: ChecksumNames = ChecksumNames.ENGINE
 
 
 class EngineClient:
@@ -381,7 +343,9 @@ class EngineClient:
             ) as response:
                 return response.status, await response.text()
         except asyncio.TimeoutError:
-            raise EngineError(url=self.url, endpoint=endpoint, status=None, message=f"timed out after {timeout_s} s")
+            raise EngineError(
+                url=self.url, endpoint=endpoint, status=None, message=f"timed out after {timeout_s} s"
+            ) from None
         except aiohttp.ClientError as e:
             raise EngineError(
                 url=self.url, endpoint=endpoint, status=None, message=f"{type(e).__name__}: {e}"

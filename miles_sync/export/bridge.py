@@ -30,7 +30,7 @@ import torch
 
 from miles_sync.export.megatron import is_export_source, model_chunks
 from miles_sync.export.units import ExportedUnit
-from miles_sync.plan import AtomicUnit, TensorMeta
+from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 # --------------------------------------------------------------------------------------------------------------
 # Pure planning: which HF tensors travel together. Keys and member order match the raw converters
@@ -54,13 +54,17 @@ UNIT_RULES: tuple[UnitRule, ...] = (
         pattern=re.compile(r"(?P<prefix>.+)\.self_attn\.(?P<part>[qkv]_proj\.(?:weight|bias))"),
         unit="{prefix}.self_attn.qkv_proj",
         # Weights before biases: the raw gather lists linear_qkv.weight before linear_qkv.bias.
-        order={"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2,
-               "q_proj.bias": 3, "k_proj.bias": 4, "v_proj.bias": 5},
+        order={
+            "q_proj.weight": 0,
+            "k_proj.weight": 1,
+            "v_proj.weight": 2,
+            "q_proj.bias": 3,
+            "k_proj.bias": 4,
+            "v_proj.bias": 5,
+        },
     ),
     UnitRule(
-        pattern=re.compile(
-            r"(?P<prefix>.+\.mlp\.(?:experts\.\d+|shared_expert))\.(?P<part>gate|up|down)_proj\.weight"
-        ),
+        pattern=re.compile(r"(?P<prefix>.+\.mlp\.(?:experts\.\d+|shared_expert))\.(?P<part>gate|up|down)_proj\.weight"),
         unit="{prefix}",
         order={"gate": 0, "up": 1, "down": 2},
     ),
@@ -148,8 +152,13 @@ class UnitAssembler:
 
     def missing(self) -> list[str]:
         """Names of planned tensors that have not arrived, in plan order."""
-        return [m.name for key, u in self._units.items() if key not in self._done
-                for i, m in enumerate(u.tensors) if i not in self._pending.get(key, {})]
+        return [
+            m.name
+            for key, u in self._units.items()
+            if key not in self._done
+            for i, m in enumerate(u.tensors)
+            if i not in self._pending.get(key, {})
+        ]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -164,8 +173,8 @@ def prepare_megatron_bridge() -> Any:
     shim, so megatron-core keeps its local code paths. Raises ImportError naming the install script when
     megatron-bridge is missing. Idempotent.
     """
-    from miles_sync.export.cpu_shims import apply_cpu_shims
-    from miles_sync.export.te_shim import install_transformer_engine_shim
+    from miles_sync.megatron.cpu_shims import apply_cpu_shims
+    from miles_sync.megatron.te_shim import install_transformer_engine_shim
 
     apply_cpu_shims()
     install_transformer_engine_shim()
@@ -248,7 +257,7 @@ def build_bridge_model(
     """
     from megatron.core import parallel_state
 
-    from miles_sync.export.te_shim import is_shim_installed
+    from miles_sync.megatron.te_shim import is_shim_installed
 
     if not parallel_state.model_parallel_is_initialized():
         raise ValueError("build_bridge_model needs megatron-core's model parallel state initialized first")
@@ -286,8 +295,15 @@ def _use_local_spec(provider: Any) -> None:
     )
     provider.moe_grouped_gemm = False
     # Each of these fuses through Transformer Engine, Apex or CUDA kernels; the local spec computes the same unfused.
-    for flag in ("apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion", "masked_softmax_fusion",
-                 "bias_activation_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion"):
+    for flag in (
+        "apply_rope_fusion",
+        "persist_layer_norm",
+        "gradient_accumulation_fusion",
+        "masked_softmax_fusion",
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "cross_entropy_loss_fusion",
+    ):
         setattr(provider, flag, False)
 
 
@@ -314,8 +330,9 @@ class BridgeExporter:
         # When the HF side lists lm_head.weight for a tied model, the bridge yields a copy of the embedding under that
         # name. Raw mode never exports it (engines tie it), so neither does this stream. Tied-ness is read as the
         # bridge reads it: the config's flag, else the model's.
-        is_tied = getattr(config, "share_embeddings_and_output_weights",
-                          getattr(first, "share_embeddings_and_output_weights", False))
+        is_tied = getattr(
+            config, "share_embeddings_and_output_weights", getattr(first, "share_embeddings_and_output_weights", False)
+        )
         self._skip = {"lm_head.weight"} if is_tied else set()
         shapes = _hf_shapes(bridge)
         metas, local = [], set()
@@ -373,8 +390,12 @@ def trim_vocab_padding(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) 
     megatron-bridge exports what the model holds; a model built with a padded vocabulary (multiple of 128 * TP)
     carries rows the HF checkpoint does not have.
     """
-    if name in VOCAB_TENSORS and tensor.dim() == len(shape) and tensor.shape[0] > shape[0] \
-            and tuple(tensor.shape[1:]) == tuple(shape[1:]):
+    if (
+        name in VOCAB_TENSORS
+        and tensor.dim() == len(shape)
+        and tensor.shape[0] > shape[0]
+        and tuple(tensor.shape[1:]) == tuple(shape[1:])
+    ):
         tensor = tensor[: shape[0]]
     return tensor.contiguous()
 

@@ -95,8 +95,14 @@ def read_shard(
         return read(names[0], partition_dim, rank * step, (rank + 1) * step)
     assert partition_dim == 0, (layout, partition_dim)
     if layout is Layout.VOCAB:
-        return _read_padded_rows(read, names[0], vocab_size=shapes[0][0], shard_rows=mapping.megatron_shape[0] // size,
-                                 rank=rank, trailing=shapes[0][1:])
+        return _read_padded_rows(
+            read,
+            names[0],
+            vocab_size=shapes[0][0],
+            shard_rows=mapping.megatron_shape[0] // size,
+            rank=rank,
+            trailing=shapes[0][1:],
+        )
     if layout is Layout.QKV:
         groups = attention.num_query_groups // size
         q_rows = groups * attention.heads_per_group * attention.head_dim

@@ -25,7 +25,7 @@ from miles_sync.export.stage import (
     plan_units,
 )
 from miles_sync.export.units import ExportedUnit
-from miles_sync.plan import AtomicUnit
+from miles_sync.wire.bucket import AtomicUnit
 
 
 def model_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_sync.export.converter import Converter, TensorMapping
-from miles_sync.plan import AtomicUnit, TensorMeta
+from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,7 +165,9 @@ def plan_units(
             run_end += 1
         for owner in range(layout.ep_size):
             for p in params[index:run_end]:
-                plans.append(_plan(p, converter=converter, layout=layout, owner=owner, num_local_experts=num_local_experts))
+                plans.append(
+                    _plan(p, converter=converter, layout=layout, owner=owner, num_local_experts=num_local_experts)
+                )
         index = run_end
     return _group_units([p for p in plans if p.mapping.is_exported and not p.param.is_stage_copy], dtype=dtype)
 
@@ -174,8 +176,13 @@ def plan_local_params(params: Sequence[LocalParam], *, converter: Converter, lay
     """Mappings of this rank's own parameters (its experts only, aliases included): what import must fill. Pure."""
     num_local_experts = _num_local_experts(params)
     return [
-        _plan(p, converter=converter, layout=layout, owner=layout.ep_rank if p.is_expert else None,
-              num_local_experts=num_local_experts)
+        _plan(
+            p,
+            converter=converter,
+            layout=layout,
+            owner=layout.ep_rank if p.is_expert else None,
+            num_local_experts=num_local_experts,
+        )
         for p in params
     ]
 
@@ -213,7 +220,9 @@ def _group_units(plans: list[ParamPlan], *, dtype: torch.dtype | None) -> list[U
             for m in members
             for name, shape in zip(m.mapping.hf_names, m.mapping.hf_shapes, strict=True)
         )
-        units.append(UnitPlan(meta=AtomicUnit(key=key, tensors=metas), params=tuple(members), owner_ep_rank=owners.pop()))
+        units.append(
+            UnitPlan(meta=AtomicUnit(key=key, tensors=metas), params=tuple(members), owner_ep_rank=owners.pop())
+        )
     return units
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_sync.plan import AtomicUnit, TensorMeta
+from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 # Projections a layer's converter emits as one unit (their Megatron parameter is fused).
 _FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

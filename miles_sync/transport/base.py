@@ -22,11 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from miles_sync.bucket import FlattenedBucket
-from miles_sync.engine.client import EngineClient
-from miles_sync.protocol import InitWeightsUpdateGroupRequest, Selector
+from miles_sync.wire.api import EngineAPI
+from miles_sync.wire.bucket import FlattenedBucket
+from miles_sync.wire.protocol import InitWeightsUpdateGroupRequest, Selector, WireEnum
 
 __all__ = [
+    "TransportKind",
     "TRANSPORTS",
     "Device",
     "EngineEndpoint",
@@ -63,7 +64,7 @@ class EngineEndpoint:
 class EngineTarget:
     """An engine as a transport sees it: its client and how many TP ranks it runs."""
 
-    client: EngineClient
+    client: EngineAPI
     tp_size: int
 
 
@@ -291,6 +292,13 @@ class Transport(Protocol):
     async def close(self, *, timeout_s: float) -> None: ...
 
 
+class TransportKind(WireEnum):
+    """distributed: broadcast over a torch.distributed group; colocated: per-TP-rank tensor handles."""
+
+    DISTRIBUTED = "distributed"
+    COLOCATED = "colocated"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransportSpec:
     """A registered transport: where its class lives (imported lazily) and which engine endpoints it posts to."""
@@ -307,14 +315,14 @@ class TransportSpec:
     feeds_from_every_rank: bool = False
 
 
-TRANSPORTS: dict[str, TransportSpec] = {
-    "distributed": TransportSpec(
+TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: plain names look up too)
+    TransportKind.DISTRIBUTED: TransportSpec(
         module="miles_sync.transport.distributed",
         class_name="DistributedTransport",
         needs_update_group=True,
         endpoints=("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed"),
     ),
-    "colocated": TransportSpec(
+    TransportKind.COLOCATED: TransportSpec(
         module="miles_sync.transport.colocated",
         class_name="ColocatedTransport",
         needs_update_group=False,

@@ -30,10 +30,10 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_sync.bucket import BucketEntry, FlattenedBucket
-from miles_sync.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
-from miles_sync.tensor_payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
 from miles_sync.transport.base import EngineTarget, FeedRole, GroupMembership, TransportError
+from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
+from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
+from miles_sync.wire.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
 
 __all__ = [
     "BucketAnnouncement",
@@ -49,6 +49,7 @@ __all__ = [
     "open_fan_out",
     "single_source_fan_out",
 ]
+
 
 def flattened_metadata(bucket: FlattenedBucket) -> list[FlattenedTensorMetadata]:
     """SGLang's per-tensor records of a flattened bucket (byte ranges; `numel` counts bytes). Pure."""
@@ -280,9 +281,11 @@ class FanOut:
         """Source: deliver one bucket through the group. Raises TransportError naming every failure (the whole
         group saw the same ones). The exchange runs to its end even if the caller is cancelled."""
         announcement = BucketAnnouncement(
-            index=self._state.num_buckets, num_bytes=bucket.num_bytes, entries=tuple(bucket.entries),
+            index=self._state.num_buckets,
+            num_bytes=bucket.num_bytes,
+            entries=tuple(bucket.entries),
             selector=selector,
-        )  # fmt: skip
+        )
         self._pending = asyncio.ensure_future(self._exchange(announcement, bucket.buffer, timeout_s=timeout_s))
         failures = await asyncio.shield(self._pending)
         if failures:
@@ -378,8 +381,13 @@ class FanOut:
             )
             target = self._engines[j]
             self._state.posted.extend(
-                PostedPayload(engine=j, url=target.client.url, tp_rank=p.tp_rank, feeder=p.feeder,
-                              segment_pid=segment_pid(p.payload))  # fmt: skip
+                PostedPayload(
+                    engine=j,
+                    url=target.client.url,
+                    tp_rank=p.tp_rank,
+                    feeder=p.feeder,
+                    segment_pid=segment_pid(p.payload),
+                )
                 for p in payloads
             )
         # The client times each call out itself (EngineError), so gather cannot wait forever.
@@ -390,9 +398,7 @@ class FanOut:
             ),
             return_exceptions=True,
         )
-        return [
-            f"{self._engines[j].client.url}: {r}" for j, r in zip(posted, results) if isinstance(r, BaseException)
-        ]
+        return [f"{self._engines[j].client.url}: {r}" for j, r in zip(posted, results) if isinstance(r, BaseException)]
 
 
 def open_fan_out(

@@ -23,16 +23,16 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_sync.bucket import FlattenedBucket, dtype_name
-from miles_sync.engine.client import EngineError
-from miles_sync.protocol import (
+from miles_sync.transport.base import EngineTarget, GroupMembership, TransportError
+from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
+from miles_sync.wire.api import EngineError
+from miles_sync.wire.bucket import FlattenedBucket, dtype_name
+from miles_sync.wire.protocol import (
     DestroyWeightsUpdateGroupRequest,
     LoadFormat,
     Selector,
     UpdateWeightsFromDistributedRequest,
 )
-from miles_sync.transport.base import EngineTarget, GroupMembership, TransportError
-from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
 
 __all__ = ["DistributedTransport", "bucket_request"]
 
@@ -80,23 +80,24 @@ class DistributedTransport:
         member_urls = [e.url for e in membership.engines]
         if member_urls != [e.client.url for e in self._engines]:
             raise ValueError(
-                f"membership engines {member_urls} differ from the transport's "
-                f"{[e.client.url for e in self._engines]}"
+                f"membership engines {member_urls} differ from the transport's {[e.client.url for e in self._engines]}"
             )
         await self.close(timeout_s=timeout_s)
         store = start_store_server(host=membership.master_address, port=membership.master_port, timeout_s=timeout_s)
         bound = membership.with_port(store.port)
-        join = asyncio.ensure_future(asyncio.to_thread(
-            create_update_group,
-            master_address=bound.master_address,
-            master_port=bound.master_port,
-            rank=bound.source_rank,
-            world_size=bound.world_size,
-            group_name=bound.group_name,
-            backend=bound.backend,
-            timeout_s=timeout_s,
-            store=store,
-        ))
+        join = asyncio.ensure_future(
+            asyncio.to_thread(
+                create_update_group,
+                master_address=bound.master_address,
+                master_port=bound.master_port,
+                rank=bound.source_rank,
+                world_size=bound.world_size,
+                group_name=bound.group_name,
+                backend=bound.backend,
+                timeout_s=timeout_s,
+                store=store,
+            )
+        )
         inits = [
             asyncio.ensure_future(
                 e.client.init_weights_update_group(bound.init_request(e.client.url), timeout_s=timeout_s)
@@ -190,9 +191,9 @@ async def _join_unless_refused(join: asyncio.Future, inits: Sequence[asyncio.Fut
     """[join's result, each init's result], exceptions as values. An engine that answers its init call with a
     refusal can never join, so the rendezvous cannot complete: then this returns at once instead of waiting out the
     rendezvous timeout, with a TransportError in place of every call still running (an init that got no answer
-    proves nothing: the rendezvous may still be under way, and its own timeout reports it). Those keep running in the background
-    until their own timeout (a thread blocked in the rendezvous cannot be interrupted); a group the join still
-    builds is destroyed, never used."""
+    proves nothing: the rendezvous may still be under way, and its own timeout reports it). Those keep running in
+    the background until their own timeout (a thread blocked in the rendezvous cannot be interrupted); a group the
+    join still builds is destroyed, never used."""
     pending: set[asyncio.Future] = {join, *inits}
     while pending:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)

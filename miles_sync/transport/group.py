@@ -47,9 +47,13 @@ def start_store_server(*, host: str, port: int = 0, timeout_s: float) -> dist.TC
         raise
     # From here on the store owns the descriptor (and closes it with the store).
     return dist.TCPStore(
-        host, bound_port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        host,
+        bound_port,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
         master_listen_fd=listener.detach(),
-    )  # fmt: skip
+    )
 
 
 class UpdateGroup:

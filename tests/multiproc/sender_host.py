@@ -62,18 +62,14 @@ def exported_names(
     tensors: dict[str, torch.Tensor], *, num_hidden_layers: int, include_mtp: bool, skip_names: Sequence[str] = ()
 ) -> list[str]:
     mtp_prefix = f"model.layers.{num_hidden_layers}."
-    return [
-        n for n in sorted(tensors) if (include_mtp or not n.startswith(mtp_prefix)) and n not in skip_names
-    ]
+    return [n for n in sorted(tensors) if (include_mtp or not n.startswith(mtp_prefix)) and n not in skip_names]
 
 
 def export_units(
     tensors: dict[str, torch.Tensor], *, num_hidden_layers: int, include_mtp: bool, skip_names: Sequence[str] = ()
 ) -> list[ExportedUnit]:
     """Atomic units the way a converter emits them: a layer's q/k/v together, gate/up together, others alone."""
-    names = exported_names(
-        tensors, num_hidden_layers=num_hidden_layers, include_mtp=include_mtp, skip_names=skip_names
-    )
+    names = exported_names(tensors, num_hidden_layers=num_hidden_layers, include_mtp=include_mtp, skip_names=skip_names)
     return units_from_hf_tensors(tensors, names)
 
 
@@ -84,7 +80,7 @@ def run(conn, target_dir: str, gate_reached, gate_release) -> None:
 
 
 async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
-    from miles_sync.sender import Sender
+    from miles_sync.sync.sender import Sender
     from miles_sync.transport.base import Device, FeedRole, plan_feeds
 
     checkpoint, num_hidden_layers = load_checkpoint(target_dir)
@@ -107,9 +103,11 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
     def names():
         settings = state["settings"]
         return exported_names(
-            checkpoint, num_hidden_layers=num_hidden_layers, include_mtp=settings.include_mtp,
+            checkpoint,
+            num_hidden_layers=num_hidden_layers,
+            include_mtp=settings.include_mtp,
             skip_names=settings.skip_names,
-        )  # fmt: skip
+        )
 
     def feeds(settings: SenderSettings, engines) -> FeedRole | None:
         if not settings.plan_feeds:
@@ -120,10 +118,15 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
 
     def make_sender(settings: SenderSettings, *, feeds: FeedRole | None) -> Sender:
         return Sender(
-            transport=settings.transport, export=export, names=names, bucket_bytes=settings.bucket_bytes,
-            bucket_timeout_s=settings.bucket_timeout_s, open_timeout_s=settings.open_timeout_s,
-            http_timeout_s=settings.http_timeout_s, feeds=feeds,
-        )  # fmt: skip
+            transport=settings.transport,
+            export=export,
+            names=names,
+            bucket_bytes=settings.bucket_bytes,
+            bucket_timeout_s=settings.bucket_timeout_s,
+            open_timeout_s=settings.open_timeout_s,
+            http_timeout_s=settings.http_timeout_s,
+            feeds=feeds,
+        )
 
     while True:
         request_id, op, args = await asyncio.to_thread(conn.recv)
@@ -151,7 +154,8 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
                 result = await state["sender"].open(engines=args[0], membership=args[1])
             elif op == "send":
                 result = await state["sender"].send(
-                    selector=args, on_bucket=lambda progress: conn.send((request_id, "progress", progress))
+                    selector=args,
+                    on_bucket=lambda progress, request_id=request_id: conn.send((request_id, "progress", progress)),
                 )
             elif op == "close":
                 result = None if state["sender"] is None else await state["sender"].close()

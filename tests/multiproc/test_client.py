@@ -16,10 +16,12 @@ import pytest
 from aiohttp import web
 from reference_server import reference_server
 
-from miles_sync.checksum import tensor_checksum
-from miles_sync.engine.client import CONTROL_ENDPOINTS, SESSION_ENDPOINTS, EngineClient, EngineError
+from miles_sync.engine.client import CONTROL_ENDPOINTS, SESSION_ENDPOINTS, EngineClient
 from miles_sync.engine.reference.models import read_safetensors
-from miles_sync.protocol import (
+from miles_sync.weights.checksum import tensor_checksum
+from miles_sync.wire.api import EngineError
+from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.protocol import (
     GenerateRequest,
     PauseMode,
     SamplingParams,
@@ -27,7 +29,6 @@ from miles_sync.protocol import (
     WeightsCheckerAction,
     WeightsCheckerRequest,
 )
-from miles_sync.selector import DraftKind
 
 API_KEY = "test-key-0123"
 
@@ -35,9 +36,12 @@ API_KEY = "test-key-0123"
 @pytest.fixture(scope="module")
 def engine(reference_checkpoints, tmp_path_factory):
     with reference_server(
-        model=reference_checkpoints / "target", log_dir=tmp_path_factory.mktemp("client"), draft_kind="mtp",
-        weight_layout="aiter", api_key=API_KEY,
-    ) as server:  # fmt: skip
+        model=reference_checkpoints / "target",
+        log_dir=tmp_path_factory.mktemp("client"),
+        draft_kind="mtp",
+        weight_layout="aiter",
+        api_key=API_KEY,
+    ) as server:
         yield server
 
 
@@ -215,8 +219,12 @@ def test_engine_error_pickles():
     error = EngineError(url="http://127.0.0.1:1", endpoint="/end_weight_update", status=400, message="nope")
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.url, copy.endpoint, copy.status, copy.message, str(copy)) == (
-        error.url, error.endpoint, error.status, error.message, str(error)
-    )  # fmt: skip
+        error.url,
+        error.endpoint,
+        error.status,
+        error.message,
+        str(error),
+    )
 
 
 # ---- edge fakes ----------------------------------------------------------------------------------------------
@@ -247,6 +255,7 @@ def _old_server(*, endpoints: tuple[str, ...]) -> web.Application:
         return web.json_response({"success": True, "message": "ok"})
 
     app = web.Application()
+
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1, "extra": [1, 2]})
 

@@ -31,9 +31,9 @@ def run_rank(rank: int, port: int, urls: list[str], fail_export_at: int | None, 
     import torch.distributed as dist
 
     from miles_sync.export.units import units_from_hf_tensors
-    from miles_sync.protocol import Selector
-    from miles_sync.sender import Sender
+    from miles_sync.sync.sender import Sender
     from miles_sync.transport.base import Device, EngineEndpoint, FeedRole, plan_feeds
+    from miles_sync.wire.protocol import Selector
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=30))
@@ -49,10 +49,15 @@ def run_rank(rank: int, port: int, urls: list[str], fail_export_at: int | None, 
     devices = [Device(node="127.0.0.1", index=i) for i in range(2)]
     plan = plan_feeds(trainer_devices=devices, engine_devices=[[d] for d in devices])
     sender = Sender(
-        transport="colocated" if rank == 0 else None, export=export, names=lambda: sorted(tensors),
-        bucket_bytes=2 * 64 * 256 * 4, bucket_timeout_s=BUCKET_TIMEOUT_S, open_timeout_s=BUCKET_TIMEOUT_S,
-        http_timeout_s=BUCKET_TIMEOUT_S, feeds=FeedRole(plan=plan, rank=rank, source_rank=0),
-    )  # fmt: skip
+        transport="colocated" if rank == 0 else None,
+        export=export,
+        names=lambda: sorted(tensors),
+        bucket_bytes=2 * 64 * 256 * 4,
+        bucket_timeout_s=BUCKET_TIMEOUT_S,
+        open_timeout_s=BUCKET_TIMEOUT_S,
+        http_timeout_s=BUCKET_TIMEOUT_S,
+        feeds=FeedRole(plan=plan, rank=rank, source_rank=0),
+    )
 
     async def main() -> str | None:
         await sender.open(engines=[EngineEndpoint(url=u, tp_size=1) for u in urls], membership=None)

@@ -40,17 +40,23 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_server import (
-    ServerProcess, checkpoint_tensors, checksums, generate, joined_group, mtp_names, reference_server,
-)  # fmt: skip
+    ServerProcess,
+    checkpoint_tensors,
+    checksums,
+    generate,
+    joined_group,
+    mtp_names,
+    reference_server,
+)
 
-from miles_sync.protocol import ENDPOINTS
-from miles_sync.tensor_payload import (
+from miles_sync.wire.payload import (
     SGLANG_METADATA_MODULE,
     FlattenedTensorMetadata,
     PayloadError,
     decode_payload,
     encode_named_tensors,
 )
+from miles_sync.wire.protocol import ENDPOINTS
 
 GROUP = "hostile-group"
 TIMEOUT_S = 60.0
@@ -64,9 +70,12 @@ _KEEP_ALIVE: list = []  # producers keep shared tensors alive until the receiver
 def env(reference_checkpoints, tmp_path_factory) -> Iterator[dict[str, Any]]:
     """One engine that joined GROUP (this process is rank 0), so distributed cases reach the layout checks."""
     target = reference_checkpoints / "target"
-    with reference_server(
-        model=target, draft_kind="mtp", weight_layout="aiter", log_dir=tmp_path_factory.mktemp("hostile")
-    ) as server, joined_group(server, group_name=GROUP, timeout_s=TIMEOUT_S):
+    with (
+        reference_server(
+            model=target, draft_kind="mtp", weight_layout="aiter", log_dir=tmp_path_factory.mktemp("hostile")
+        ) as server,
+        joined_group(server, group_name=GROUP, timeout_s=TIMEOUT_S),
+    ):
         draft = mtp_names(target)
         weights = {n: t for n, t in checkpoint_tensors(target).items() if n not in draft}
         yield {"server": server, "weights": weights, "baseline": checksums(server)}
@@ -140,124 +149,168 @@ class HostileCase:
 CASES: dict[str, HostileCase] = {
     # ---- tensor path: base64, pickle and payload structure
     "truncated-base64": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="not valid base64",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="not valid base64",
         body=lambda env: _tensor_body(_shared_payload([_q(env)])[:-1]),
     ),
     "truncated-pickle": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="payload does not unpickle",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="payload does not unpickle",
         body=lambda env: _tensor_body(_b64(pickle.dumps([("w", list(range(64)))])[:40])),
     ),
     "plainly-pickled-tensor": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True,
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
         needle="torch._utils._rebuild_tensor_v2, which is outside the allow-list",
         body=lambda env: _tensor_body(_b64(pickle.dumps([_q(env)]))),
     ),
     "persistent-id": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="persistent ids",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="persistent ids",
         body=lambda env: _tensor_body(_persistent_id_pickle()),
     ),
     "payload-not-a-list": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="list of (name, tensor) pairs, got dict",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="list of (name, tensor) pairs, got dict",
         body=lambda env: _tensor_body(_b64(pickle.dumps({"w": 1}))),
     ),
     "entry-not-a-pair": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="entry 0 is not a (name, tensor) pair",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="entry 0 is not a (name, tensor) pair",
         body=lambda env: _tensor_body(_b64(pickle.dumps([("only-a-name",)]))),
     ),
     "duplicate-names": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="names tensors more than once",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="names tensors more than once",
         body=lambda env: _tensor_body(_shared_payload([_q(env), (_q(env)[0], _q(env)[1].clone())])),
     ),
     "flattened-payload-not-a-dict": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True,
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
         needle="must be a dict with 'flattened_tensor' and 'metadata'",
         body=lambda env: _tensor_body(_shared_payload([_q(env)]), load_format="flattened_bucket"),
     ),
     "flattened-buffer-not-a-tensor": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="flattened_tensor must be a 1-D uint8",
-        body=lambda env: _tensor_body(_b64(pickle.dumps({"flattened_tensor": [0] * 8, "metadata": []})),
-                                      load_format="flattened_bucket"),
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="flattened_tensor must be a 1-D uint8",
+        body=lambda env: _tensor_body(
+            _b64(pickle.dumps({"flattened_tensor": [0] * 8, "metadata": []})), load_format="flattened_bucket"
+        ),
     ),
     "metadata-negative-start": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="start_idx must be an int >= 0, got -8",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="start_idx must be an int >= 0, got -8",
         body=lambda env: _tensor_body(_metadata_pickle(start_idx=-8), load_format="flattened_bucket"),
     ),
     "metadata-dtype-not-a-dtype": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="dtype must be a torch.dtype",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="dtype must be a torch.dtype",
         body=lambda env: _tensor_body(_metadata_pickle(dtype="float32"), load_format="flattened_bucket"),
     ),
     "metadata-too-many-dims": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="at most 16 ints",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="at most 16 ints",
         body=lambda env: _tensor_body(_metadata_pickle(shape=torch.Size([1] * 17)), load_format="flattened_bucket"),
     ),
     # ---- tensor path: request fields
     "no-payload": HostileCase(
-        endpoint="/update_weights_from_tensor", opens_session=True, needle="has 0 payloads",
+        endpoint="/update_weights_from_tensor",
+        opens_session=True,
+        needle="has 0 payloads",
         body=lambda env: {**_tensor_body("x"), "serialized_named_tensors": []},
     ),
     "payload-not-a-string": HostileCase(
-        endpoint="/update_weights_from_tensor", needle="serialized_named_tensors[0]: expected str, got int 123",
+        endpoint="/update_weights_from_tensor",
+        needle="serialized_named_tensors[0]: expected str, got int 123",
         body=lambda env: _tensor_body(123),
     ),
     "unknown-load-format": HostileCase(
-        endpoint="/update_weights_from_tensor", needle="'pickle' is not one of",
+        endpoint="/update_weights_from_tensor",
+        needle="'pickle' is not one of",
         body=lambda env: _tensor_body("x", load_format="pickle"),
     ),
     # ---- distributed path
     "huge-shape": HostileCase(
-        endpoint="/update_weights_from_distributed", opens_session=True, needle="more than a tensor can hold",
+        endpoint="/update_weights_from_distributed",
+        opens_session=True,
+        needle="more than a tensor can hold",
         body=lambda env: _distributed([_q(env)[0]], ["float32"], [[2**62]]),
     ),
     "huge-shape-flattened": HostileCase(
-        endpoint="/update_weights_from_distributed", opens_session=True, needle="more than a tensor can hold",
+        endpoint="/update_weights_from_distributed",
+        opens_session=True,
+        needle="more than a tensor can hold",
         body=lambda env: _distributed([_q(env)[0]], ["float32"], [[2**40, 2**40]], load_format="flattened_bucket"),
     ),
     "dim-not-an-int": HostileCase(
-        endpoint="/update_weights_from_distributed", needle="shapes[0][1]: expected int, got str 'wide'",
+        endpoint="/update_weights_from_distributed",
+        needle="shapes[0][1]: expected int, got str 'wide'",
         body=lambda env: _distributed([_q(env)[0]], ["float32"], [[4, "wide"]]),
     ),
     "bool-for-int": HostileCase(
-        endpoint="/update_weights_from_distributed", needle="shapes[0][0]: expected int, got bool True",
+        endpoint="/update_weights_from_distributed",
+        needle="shapes[0][0]: expected int, got bool True",
         body=lambda env: _distributed([_q(env)[0]], ["float32"], [[True]]),
     ),
     "null-required-field": HostileCase(
-        endpoint="/update_weights_from_distributed", needle="names: expected a list of str, got null",
+        endpoint="/update_weights_from_distributed",
+        needle="names: expected a list of str, got null",
         body=lambda env: _distributed(None, ["float32"], [[1]]),
     ),
     "non-weight-dtype": HostileCase(
-        endpoint="/update_weights_from_distributed", opens_session=True, needle="Unsupported dtype name 'complex64'",
+        endpoint="/update_weights_from_distributed",
+        opens_session=True,
+        needle="Unsupported dtype name 'complex64'",
         body=lambda env: _distributed([_q(env)[0]], ["complex64"], [list(_q(env)[1].shape)]),
     ),
     "direct-format-on-distributed": HostileCase(
-        endpoint="/update_weights_from_distributed", needle="load_format='direct' applies to tensor updates only",
+        endpoint="/update_weights_from_distributed",
+        needle="load_format='direct' applies to tensor updates only",
         body=lambda env: _distributed([_q(env)[0]], ["float32"], [[1]], load_format="direct"),
     ),
     # ---- bodies
     "body-not-an-object": HostileCase(
-        endpoint="/begin_weight_update", needle="expected an object (BeginWeightUpdateRequest), got a list",
+        endpoint="/begin_weight_update",
+        needle="expected an object (BeginWeightUpdateRequest), got a list",
         body=lambda env: ["target"],
     ),
     "non-utf8-body": HostileCase(
         endpoint="/begin_weight_update", needle="not valid JSON", body=lambda env: b'{"selector": "\xff"}'
     ),
     "deeply-nested-body": HostileCase(
-        endpoint="/begin_weight_update", needle="nested too deeply", body=lambda env: _deeply_nested_json(),
+        endpoint="/begin_weight_update",
+        needle="nested too deeply",
+        body=lambda env: _deeply_nested_json(),
     ),
     # ---- update group
     "init-world-size-zero": HostileCase(
-        endpoint="/init_weights_update_group", needle="world_size=0 must be at least 1",
+        endpoint="/init_weights_update_group",
+        needle="world_size=0 must be at least 1",
         body=lambda env: _init_body(world_size=0, rank_offset=0),
     ),
     "init-port-out-of-range": HostileCase(
-        endpoint="/init_weights_update_group", needle="master_port=70000 is not in 1..65535",
+        endpoint="/init_weights_update_group",
+        needle="master_port=70000 is not in 1..65535",
         body=lambda env: _init_body(master_port=70000),
     ),
     "init-unknown-backend": HostileCase(
-        endpoint="/init_weights_update_group", needle="backend 'mpi' is not one of",
+        endpoint="/init_weights_update_group",
+        needle="backend 'mpi' is not one of",
         body=lambda env: _init_body(backend="mpi"),
     ),
     "init-group-name-taken": HostileCase(
-        endpoint="/init_weights_update_group", needle=f"update group '{GROUP}' already exists",
+        endpoint="/init_weights_update_group",
+        needle=f"update group '{GROUP}' already exists",
         body=lambda env: _init_body(group_name=GROUP),
     ),
     # ---- checker, version, flush
@@ -270,13 +323,19 @@ CASES: dict[str, HostileCase] = {
     "flush-timeout-not-a-number": HostileCase(
         endpoint="/flush_cache?timeout=soon", needle="timeout='soon' is not a number", body=lambda env: b""
     ),
-}  # fmt: skip
+}
 
 
 def _init_body(**fields: Any) -> dict[str, Any]:
     """Valid except for `fields`; the port is never contacted because every case fails before the rendezvous."""
-    base = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
-            "group_name": "hostile-init", "backend": "gloo"}  # fmt: skip
+    base = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "hostile-init",
+        "backend": "gloo",
+    }
     return {**base, **fields}
 
 
@@ -338,8 +397,9 @@ def _metadata_state_gadget(marker: Path, *, sglang_name: bool = True) -> bytes:
     With `sglang_name=False` the class keeps our own importable module name, so a plain unpickler reaches the
     state (the control); the record's own check then refuses the result, after the command already ran.
     """
-    meta = FlattenedTensorMetadata(name=_Gadget(os.system, f"touch {marker}"), shape=(1,), dtype=torch.uint8,
-                                   start_idx=0, end_idx=1, numel=1)  # fmt: skip
+    meta = FlattenedTensorMetadata(
+        name=_Gadget(os.system, f"touch {marker}"), shape=(1,), dtype=torch.uint8, start_idx=0, end_idx=1, numel=1
+    )
     raw = pickle.dumps({"flattened_tensor": 0, "metadata": [meta]}, protocol=2)
     return _sglang_class_name(raw) if sglang_name else raw
 
@@ -409,9 +469,15 @@ def test_engine_refuses_code_running_pickles(env, gadget, tmp_path):
 # ---- fuzz ---------------------------------------------------------------------------------------------------------
 
 FUZZ_PATHS = (
-    "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
-    "/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weight_version", "/weights_checker",
-)  # fmt: skip
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
+    "/update_weight_version",
+    "/weights_checker",
+)
 _FIELDS_BY_PATH = {path: tuple(f.name for f in dataclasses.fields(ENDPOINTS[path])) for path in FUZZ_PATHS}
 _ALL_FIELDS = frozenset(name for names in _FIELDS_BY_PATH.values() for name in names)
 
@@ -427,8 +493,11 @@ _PICKLED_STRUCTURES = st.builds(
     lambda obj, protocol: _b64(pickle.dumps(obj, protocol=protocol)),
     st.recursive(
         st.none() | st.integers() | st.text(max_size=8) | st.binary(max_size=8),
-        lambda children: st.lists(children, max_size=3) | st.tuples(children, children)
-        | st.dictionaries(st.sampled_from(["flattened_tensor", "metadata", "w"]), children, max_size=2),
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.tuples(children, children)
+            | st.dictionaries(st.sampled_from(["flattened_tensor", "metadata", "w"]), children, max_size=2)
+        ),
         max_leaves=8,
     ),
     st.integers(0, pickle.HIGHEST_PROTOCOL),
@@ -457,8 +526,10 @@ def _near_valid_values(names: list[str], closed_port: int) -> dict[str, st.Searc
         "new_version": st.text(max_size=8),
         "weight_version": st.none() | st.text(max_size=8),
         "skip_tensor_list": st.none() | st.lists(st.text(max_size=6), max_size=2),
-        **{flag: st.booleans() for flag in ("flush_cache", "abort_all_requests", "torch_empty_cache",
-                                            "allow_quant_error")},  # fmt: skip
+        **{
+            flag: st.booleans()
+            for flag in ("flush_cache", "abort_all_requests", "torch_empty_cache", "allow_quant_error")
+        },
     }
 
 
@@ -500,10 +571,16 @@ def _fuzz_requests(draw, near: dict[str, st.SearchStrategy]) -> tuple[str, Any, 
 def fuzz_engine(reference_checkpoints, tmp_path_factory) -> Iterator[dict[str, Any]]:
     """An engine in no update group, so no fuzzed body can start a receive; a short rendezvous timeout."""
     target = reference_checkpoints / "target"
-    with reference_server(
-        model=target, draft_kind="mtp", weight_layout="aiter", log_dir=tmp_path_factory.mktemp("fuzz"),
-        extra_args=["--collective-timeout-s", str(FUZZ_COLLECTIVE_TIMEOUT_S)],
-    ) as server, socket.socket() as closed:  # fmt: skip
+    with (
+        reference_server(
+            model=target,
+            draft_kind="mtp",
+            weight_layout="aiter",
+            log_dir=tmp_path_factory.mktemp("fuzz"),
+            extra_args=["--collective-timeout-s", str(FUZZ_COLLECTIVE_TIMEOUT_S)],
+        ) as server,
+        socket.socket() as closed,
+    ):
         closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused, and no one else has it
         names = sorted(n for n in checkpoint_tensors(target) if n not in mtp_names(target))
         yield {"server": server, "baseline": checksums(server), "names": names, "closed_port": closed.getsockname()[1]}

@@ -21,13 +21,14 @@ import pytest
 from reference_server import reference_server
 from sender_host import ProcessSource, SenderSettings
 
-from miles_sync.controller import SyncController
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.reference.checkpoints import LanguageRecipe, next_token
-from miles_sync.protocol import FinishReasonKind, GenerateRequest, GenerateResponse, PauseMode, SamplingParams
-from miles_sync.report import SyncReport
-from miles_sync.selector import ConversionMode, SelectorMode
-from miles_sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.controller import SyncController
+from miles_sync.sync.report import SyncReport
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.wire.protocol import FinishReasonKind, GenerateRequest, GenerateResponse, PauseMode, SamplingParams
 
 pytestmark = pytest.mark.slow
 # The session's version step (session.py `_sync`, step "version") calls EngineClient.update_weight_version, which
@@ -85,9 +86,12 @@ def source(reference_checkpoints):
 
 def start_engine(checkpoints: Path, log_dir: Path):
     return reference_server(
-        model=checkpoints / "target", log_dir=log_dir, draft_kind="mtp", weight_layout="aiter",
+        model=checkpoints / "target",
+        log_dir=log_dir,
+        draft_kind="mtp",
+        weight_layout="aiter",
         finalize_policy="strict",
-    )  # fmt: skip
+    )
 
 
 def prompt(request_id: int) -> tuple[int, ...]:
@@ -148,9 +152,15 @@ async def run_load(
     """
     await source.call("configure", SenderSettings(transport="distributed", bucket_bytes=256 * 1024, include_mtp=False))
     ctl = SyncController(
-        engine_urls=urls, source=source, transport="distributed", selector_inputs=FROZEN_DRAFT,
-        pause_mode=pause_mode, verify=True, timeouts=TIMEOUTS, show_progress=False,
-    )  # fmt: skip
+        engine_urls=urls,
+        source=source,
+        transport="distributed",
+        selector_inputs=FROZEN_DRAFT,
+        pause_mode=pause_mode,
+        verify=True,
+        timeouts=TIMEOUTS,
+        show_progress=False,
+    )
     await ctl.connect()
     clients = [EngineClient(url, timeout_s=REQUEST_TIMEOUT_S) for url in urls]
     answers: dict[int, list[Answer]] = {i: [] for i in range(NUM_REQUESTS)}

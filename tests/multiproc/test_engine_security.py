@@ -21,15 +21,18 @@ import pytest
 from reference_server import ServerProcess, checkpoint_tensors, mtp_names, reference_server
 
 from miles_sync.config import EngineConfig, MilesSyncConfig
-from miles_sync.engine.client import EngineClient, EngineError
-from miles_sync.engine.launcher import ReferenceEngineSpec, SGLangEngineSpec, engine_spec
-from miles_sync.engine.reference.server import ADMIN_PATHS, HEALTH_PATHS, NORMAL_PATHS, ServerSettings, create_app
+from miles_sync.engine.client import EngineClient
+from miles_sync.engine.kinds import engine_spec
+from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.serve import build_engine, parse_args
+from miles_sync.engine.reference.server import ADMIN_PATHS, HEALTH_PATHS, NORMAL_PATHS, ServerSettings, create_app
+from miles_sync.engine.sglang import SGLangEngineSpec
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
-from miles_sync.protocol import Selector, UpdateWeightsFromTensorRequest
-from miles_sync.run_report import RunReport, config_record
-from miles_sync.tensor_payload import encode_named_tensors
-from miles_sync.trainer import SenderSettings
+from miles_sync.job.run_report import RunReport, config_record
+from miles_sync.sync.source import SenderSettings
+from miles_sync.wire.api import EngineError
+from miles_sync.wire.payload import encode_named_tensors
+from miles_sync.wire.protocol import Selector, UpdateWeightsFromTensorRequest
 
 API_KEY = "sk-sec-7f3a91c2e5"
 WRONG_KEY = "sk-sec-0000bad"
@@ -93,9 +96,12 @@ def test_serve_without_a_host_argument_listens_on_loopback_only(reference_checkp
 def keyed(reference_checkpoints, tmp_path_factory) -> Iterator[ServerProcess]:
     """An API key only: it guards every route but /health*."""
     with reference_server(
-        model=reference_checkpoints / "target", draft_kind="mtp", weight_layout="aiter", api_key=API_KEY,
+        model=reference_checkpoints / "target",
+        draft_kind="mtp",
+        weight_layout="aiter",
+        api_key=API_KEY,
         log_dir=tmp_path_factory.mktemp("keyed"),
-    ) as server:  # fmt: skip
+    ) as server:
         yield server
 
 
@@ -103,9 +109,11 @@ def keyed(reference_checkpoints, tmp_path_factory) -> Iterator[ServerProcess]:
 def both_keys(reference_checkpoints, tmp_path_factory) -> Iterator[ServerProcess]:
     """An API key and an admin key (passed through its environment variable)."""
     with reference_server(
-        model=reference_checkpoints / "target", api_key=API_KEY, admin_api_key=ADMIN_KEY,
+        model=reference_checkpoints / "target",
+        api_key=API_KEY,
+        admin_api_key=ADMIN_KEY,
         log_dir=tmp_path_factory.mktemp("both-keys"),
-    ) as server:  # fmt: skip
+    ) as server:
         yield server
 
 
@@ -115,8 +123,9 @@ def app_routes(reference_checkpoints) -> list[tuple[str, str]]:
     args = parse_args(["--model", str(reference_checkpoints / "target"), "--draft-kind", "mtp", "--threads", "1"])
     engine = build_engine(args)
     try:
-        settings = ServerSettings(model_path=args.model, draft_kind="mtp", weight_layout="none", spec_steps=3,
-                                  generate_timeout_s=TIMEOUT_S)  # fmt: skip
+        settings = ServerSettings(
+            model_path=args.model, draft_kind="mtp", weight_layout="none", spec_steps=3, generate_timeout_s=TIMEOUT_S
+        )
         app = create_app(engine, settings=settings, api_key=API_KEY, admin_api_key=ADMIN_KEY, num_threads=1)
         return sorted({(route.method, route.resource.canonical) for route in app.router.routes()})
     finally:
@@ -274,10 +283,12 @@ def test_the_client_syncs_with_both_keys_and_never_leaks_them(both_keys, referen
     weights = sorted((n, t) for n, t in checkpoint_tensors(target).items() if n not in skip)
     refused = asyncio.run(
         _refused_then_session(
-            both_keys.url, weights, refused_keys={"api_key": API_KEY},
+            both_keys.url,
+            weights,
+            refused_keys={"api_key": API_KEY},
             keys={"api_key": API_KEY, "admin_api_key": ADMIN_KEY},
         )
-    )  # fmt: skip
+    )
     assert refused.status == 401 and API_KEY not in str(refused) and ADMIN_KEY not in str(refused)
     log = both_keys.log_path.read_text(errors="replace")
     assert "api key set, admin api key set" in log
@@ -311,8 +322,9 @@ def test_run_report_masks_the_key(tmp_path):
     config = MilesSyncConfig(engines=EngineConfig(api_key=API_KEY))
     record = config_record(config)
     assert record["engines"]["api_key"] == "***"
-    report = RunReport(run_name="r", status="completed", config=record, packages={}, machine={}, baseline=None,
-                       rounds=())  # fmt: skip
+    report = RunReport(
+        run_name="r", status="completed", config=record, packages={}, machine={}, baseline=None, rounds=()
+    )
     path = tmp_path / "report.json"
     report.write_json(path)
     assert API_KEY not in path.read_text()
@@ -332,8 +344,15 @@ def test_engine_spec_repr_hides_the_keys():
 
 
 def test_sender_settings_repr_hides_the_key():
-    settings = SenderSettings(transport="distributed", bucket_bytes=1, bucket_timeout_s=1.0, open_timeout_s=1.0,
-                              http_timeout_s=1.0, call_timeout_s=1.0, api_key=API_KEY)  # fmt: skip
+    settings = SenderSettings(
+        transport="distributed",
+        bucket_bytes=1,
+        bucket_timeout_s=1.0,
+        open_timeout_s=1.0,
+        http_timeout_s=1.0,
+        call_timeout_s=1.0,
+        api_key=API_KEY,
+    )
     assert API_KEY not in repr(settings)
 
 
@@ -349,5 +368,5 @@ def test_launcher_passes_the_reference_engines_keys_outside_its_command_line():
 
 def test_engine_spec_takes_the_admin_key_from_the_config():
     engines = EngineConfig(api_key=API_KEY, admin_api_key=ADMIN_KEY)
-    spec = engine_spec(engines, model_dir="m")
+    spec = engine_spec(engines.kind, engines.launch_settings(model_dir="m"))
     assert spec.api_key == API_KEY and spec.admin_api_key == ADMIN_KEY

@@ -59,8 +59,14 @@ def _hf_config(case: Case):
 
     common = dict(
         vocab_size=250,  # not a multiple of 128: the builder's model carries vocabulary padding
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=case.tie,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=case.tie,
     )
     if case.arch == "llama":
         return transformers.LlamaConfig(**common)
@@ -124,8 +130,8 @@ def _run_case(case: Case, workdir: Path) -> dict[str, list[str]]:
 
     from miles_sync.export import bridge
     from miles_sync.export.megatron import is_export_source, iter_hf_units
-    from miles_sync.export.model_builder import build_gpt_model
     from miles_sync.export.raw import create_converter
+    from miles_sync.megatron.model_builder import build_gpt_model
 
     checkpoint = workdir / case.id
     if dist.get_rank() == 0:
@@ -181,12 +187,18 @@ def _check_te_shim() -> dict[str, list[str]]:
     problems = []
     if not te_shim.is_shim_installed():
         return {"te_shim": ["the shim is not installed on a CPU machine"]}
-    seeing_te = sorted(m for m, mod in list(sys.modules.items())
-                       if m.startswith("megatron.core") and getattr(mod, "HAVE_TE", False) is True)
+    seeing_te = sorted(
+        m
+        for m, mod in list(sys.modules.items())
+        if m.startswith("megatron.core") and getattr(mod, "HAVE_TE", False) is True
+    )
     import transformer_engine.pytorch as te
 
-    for label, use in (("construct", lambda: te.Linear(4, 4)), ("class attribute", lambda: te.Linear.forward),
-                       ("subclass", lambda: type("Sub", (te.Linear,), {})())):
+    for label, use in (
+        ("construct", lambda: te.Linear(4, 4)),
+        ("class attribute", lambda: te.Linear.forward),
+        ("subclass", lambda: type("Sub", (te.Linear,), {})()),
+    ):
         try:
             use()
             problems.append(f"{label}: a placeholder did not raise")
@@ -241,8 +253,9 @@ def results(tmp_path_factory) -> list[dict]:
     workdir = tmp_path_factory.mktemp("bridge")
     store = dist.TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_worker, args=(r, store.port, str(workdir)), daemon=True)
-                 for r in range(WORLD_SIZE)]
+    processes = [
+        context.Process(target=_worker, args=(r, store.port, str(workdir)), daemon=True) for r in range(WORLD_SIZE)
+    ]
     for p in processes:
         p.start()
     deadline = time.monotonic() + TIMEOUT_S

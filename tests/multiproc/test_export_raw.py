@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_sync.export.harness import ParityCase, merge_exports, run_cases, tiny_hf_config, write_hf_checkpoint
-from miles_sync.export.parity import LOGIT_TOLERANCE, check_case, expected_mtp_shapes, first_difference, split_mtp
+from miles_sync.parity.cli import LOGIT_TOLERANCE, check_case, expected_mtp_shapes, first_difference, split_mtp
+from miles_sync.parity.harness import ParityCase, merge_exports, run_cases, tiny_hf_config, write_hf_checkpoint
 
 DENSE = ("llama", "qwen2", "qwen3")
 ALL_ARCHS = (*DENSE, "qwen3_moe")

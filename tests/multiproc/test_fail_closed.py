@@ -18,14 +18,15 @@ import pytest
 from reference_server import reference_server
 from sender_host import ProcessSource, SenderSettings, load_checkpoint
 
-from miles_sync.bucket import pack_bucket
-from miles_sync.controller import SyncController, SyncError
 from miles_sync.engine.client import EngineClient
-from miles_sync.protocol import PauseMode, Selector
-from miles_sync.selector import ConversionMode, SelectorMode
-from miles_sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.controller import SyncController, SyncError
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.transport.base import EngineEndpoint, EngineTarget, plan_membership
 from miles_sync.transport.distributed import DistributedTransport
+from miles_sync.wire.bucket import pack_bucket
+from miles_sync.wire.protocol import PauseMode, Selector
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,9 +39,13 @@ FROZEN_DRAFT = SelectorInputs(
 
 def start_engine(checkpoints: Path, log_dir: Path, *extra: str):
     return reference_server(
-        model=checkpoints / "target", log_dir=log_dir, draft_kind="mtp", weight_layout="aiter",
-        finalize_policy="strict", extra_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), *extra),
-    )  # fmt: skip
+        model=checkpoints / "target",
+        log_dir=log_dir,
+        draft_kind="mtp",
+        weight_layout="aiter",
+        finalize_policy="strict",
+        extra_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), *extra),
+    )
 
 
 # Where the send is cancelled: after N loop iterations (0: as soon as it started), or after a delay in seconds.
@@ -63,9 +68,11 @@ def test_a_send_cancelled_after_the_metadata_post_still_releases_every_engine(re
         clients = [EngineClient(u, timeout_s=COLLECTIVE_TIMEOUT_S + 10) for u in urls]
         transport = DistributedTransport(engines=[EngineTarget(client=c, tp_size=1) for c in clients])
         membership = plan_membership(
-            engines=[EngineEndpoint(url=u, tp_size=1) for u in urls], group_name="cancelled_send", backend="gloo",
+            engines=[EngineEndpoint(url=u, tp_size=1) for u in urls],
+            group_name="cancelled_send",
+            backend="gloo",
             master_address="127.0.0.1",
-        )  # fmt: skip
+        )
         await transport.open(membership=membership, timeout_s=30.0)
         released = []
         try:
@@ -107,10 +114,15 @@ def source(reference_checkpoints):
 
 def sync_controller(urls, source) -> SyncController:
     return SyncController(
-        engine_urls=urls, source=source, transport="distributed", selector_inputs=FROZEN_DRAFT,
-        pause_mode=PauseMode.ABORT, verify=True, timeouts=SessionTimeouts(control_s=20.0, sync_s=90.0),
+        engine_urls=urls,
+        source=source,
+        transport="distributed",
+        selector_inputs=FROZEN_DRAFT,
+        pause_mode=PauseMode.ABORT,
+        verify=True,
+        timeouts=SessionTimeouts(control_s=20.0, sync_s=90.0),
         show_progress=False,
-    )  # fmt: skip
+    )
 
 
 def test_engine_named_digests_are_verified_by_replica_agreement(reference_checkpoints, source, tmp_path):
@@ -118,8 +130,9 @@ def test_engine_named_digests_are_verified_by_replica_agreement(reference_checkp
     mis-configured server would), so its bytes differ from its replicas' although every HTTP call succeeded."""
 
     async def main(urls):
-        await source.call("configure", SenderSettings(transport="distributed", bucket_bytes=256 * 1024,
-                                                      include_mtp=False))  # fmt: skip
+        await source.call(
+            "configure", SenderSettings(transport="distributed", bucket_bytes=256 * 1024, include_mtp=False)
+        )
         ctl = sync_controller(urls[:2], source)
         await ctl.connect()
         try:
@@ -143,10 +156,14 @@ def test_engine_named_digests_are_verified_by_replica_agreement(reference_checkp
         start_engine(reference_checkpoints, tmp_path, *engine_names) as a,
         start_engine(reference_checkpoints, tmp_path, *engine_names) as b,
         reference_server(
-            model=reference_checkpoints / "target", log_dir=tmp_path, draft_kind="mtp", weight_layout="none",
-            finalize_policy="strict", extra_args=(*engine_names,),
+            model=reference_checkpoints / "target",
+            log_dir=tmp_path,
+            draft_kind="mtp",
+            weight_layout="none",
+            finalize_policy="strict",
+            extra_args=(*engine_names,),
         ) as c,
-    ):  # fmt: skip
+    ):
         agreed, failure, held = asyncio.run(main([a.url, b.url, c.url]))
         urls = [a.url, b.url, c.url]
     assert agreed.committed and agreed.verification == "replica"

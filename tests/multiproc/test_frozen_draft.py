@@ -15,9 +15,9 @@ import statistics
 import pytest
 from reference_server import checkpoint_tensors, checksums, generate, mtp_names, reference_server
 
-from miles_sync.codec import decode
-from miles_sync.protocol import GenerateResponse
-from miles_sync.tensor_payload import encode_named_tensors
+from miles_sync.wire.codec import decode
+from miles_sync.wire.payload import encode_named_tensors
+from miles_sync.wire.protocol import GenerateResponse
 
 NUM_SESSIONS = 3
 PROMPTS = [[t, (5 * t + 17) % 256] for t in (3, 40, 77, 120, 161, 200)]

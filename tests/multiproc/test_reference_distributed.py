@@ -14,9 +14,9 @@ import pytest
 import torch
 from reference_server import checkpoint_tensors, checksums, generate, mtp_names, reference_server
 
-from miles_sync.bucket import dtype_name, pack_bucket
-from miles_sync.checksum import role_checksums
 from miles_sync.transport import create_update_group, start_store_server
+from miles_sync.weights.checksum import role_checksums
+from miles_sync.wire.bucket import dtype_name, pack_bucket
 
 GROUP = "sync-test-group"
 TIMEOUT_S = 60.0
@@ -39,9 +39,14 @@ def _group_member(port: int, rank: int, store_file: str, results) -> None:
         # A default group first (world size 1): the update group must coexist with it.
         torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=0, world_size=1)
         group = create_update_group(
-            master_address="127.0.0.1", master_port=port, rank=rank, world_size=3, group_name=GROUP,
-            backend="gloo", timeout_s=TIMEOUT_S,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=rank,
+            world_size=3,
+            group_name=GROUP,
+            backend="gloo",
+            timeout_s=TIMEOUT_S,
+        )
         received = []
         for expected in _PAYLOADS:
             buffer = torch.empty_like(expected)
@@ -81,9 +86,15 @@ def test_update_group_broadcasts_exact_bytes_coexists_and_times_out(tmp_path):
         member.start()
     try:
         group = create_update_group(
-            master_address="127.0.0.1", master_port=store.port, rank=0, world_size=3, group_name=GROUP,
-            backend="gloo", timeout_s=TIMEOUT_S, store=store,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=store.port,
+            rank=0,
+            world_size=3,
+            group_name=GROUP,
+            backend="gloo",
+            timeout_s=TIMEOUT_S,
+            store=store,
+        )
         for payload in _PAYLOADS:
             group.broadcast(payload.clone(), src=0, timeout_s=TIMEOUT_S)
         reports = [results.get(timeout=TIMEOUT_S) for _ in range(4)]
@@ -107,18 +118,29 @@ def test_update_group_creation_times_out_without_its_peers():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="did not rendezvous"):
         create_update_group(
-            master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2, group_name="lonely",
-            backend="gloo", timeout_s=1.0, store=store,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=store.port,
+            rank=0,
+            world_size=2,
+            group_name="lonely",
+            backend="gloo",
+            timeout_s=1.0,
+            store=store,
+        )
     assert time.monotonic() - started < 10
 
 
 def test_update_group_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rank 3 is outside") as info:
         create_update_group(
-            master_address="127.0.0.1", master_port=70000, rank=3, world_size=2, group_name="",
-            backend="mpi", timeout_s=0,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=70000,
+            rank=3,
+            world_size=2,
+            group_name="",
+            backend="mpi",
+            timeout_s=0,
+        )
     message = str(info.value)
     assert all(s in message for s in ("backend 'mpi'", "master_port 70000", "group_name is empty", "timeout_s 0"))
 
@@ -143,16 +165,26 @@ def fleet(reference_checkpoints, tmp_path_factory):
                 engine.post,
                 "/init_weights_update_group",
                 {
-                    "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": rank,
-                    "world_size": 3, "group_name": GROUP, "backend": "gloo",
+                    "master_address": "127.0.0.1",
+                    "master_port": store.port,
+                    "rank_offset": rank,
+                    "world_size": 3,
+                    "group_name": GROUP,
+                    "backend": "gloo",
                 },
-            )  # fmt: skip
+            )
             for rank, engine in enumerate(engines, start=1)
         ]
         group = create_update_group(
-            master_address="127.0.0.1", master_port=store.port, rank=0, world_size=3, group_name=GROUP,
-            backend="gloo", timeout_s=TIMEOUT_S, store=store,
-        )  # fmt: skip
+            master_address="127.0.0.1",
+            master_port=store.port,
+            rank=0,
+            world_size=3,
+            group_name=GROUP,
+            backend="gloo",
+            timeout_s=TIMEOUT_S,
+            store=store,
+        )
         for join in joins:
             status, answer = join.result(TIMEOUT_S)
             assert status == 200, answer

@@ -13,7 +13,7 @@ import pytest
 import torch
 from reference_server import checkpoint_tensors, checksums, generate, joined_group, mtp_names, reference_server
 
-from miles_sync.tensor_payload import FlattenedTensorMetadata, _PayloadPickler, encode_named_tensors
+from miles_sync.wire.payload import FlattenedTensorMetadata, _PayloadPickler, encode_named_tensors
 
 GROUP = "errors-group"
 TIMEOUT_S = 60.0
@@ -24,9 +24,12 @@ _FOREIGN_MANAGER = "/tmp/torch-shm-dir-on-another-host/manager.sock"
 @pytest.fixture(scope="module")
 def env(reference_checkpoints, tmp_path_factory):
     target = reference_checkpoints / "target"
-    with reference_server(
-        model=target, draft_kind="mtp", weight_layout="aiter", log_dir=tmp_path_factory.mktemp("errors")
-    ) as server, joined_group(server, group_name=GROUP, timeout_s=TIMEOUT_S) as group:
+    with (
+        reference_server(
+            model=target, draft_kind="mtp", weight_layout="aiter", log_dir=tmp_path_factory.mktemp("errors")
+        ) as server,
+        joined_group(server, group_name=GROUP, timeout_s=TIMEOUT_S) as group,
+    ):
         tensors = checkpoint_tensors(target)
         draft = mtp_names(target)
         weights = {n: t for n, t in tensors.items() if n not in draft}
@@ -62,80 +65,107 @@ CASES = {
     "unknown-selector": (False, "/begin_weight_update", lambda env: {"selector": "both"}, "'target'"),
     "wrong-type": (True, "/update_weights_from_distributed", lambda env: _distributed(5, [], []), "names"),
     "outside-session": (
-        False, "/update_weights_from_tensor",
-        lambda env: _tensor_body(encode_named_tensors([_q(env)])), "needs an open weight update session",
+        False,
+        "/update_weights_from_tensor",
+        lambda env: _tensor_body(encode_named_tensors([_q(env)])),
+        "needs an open weight update session",
     ),
     "selector-mismatch": (
-        True, "/update_weights_from_tensor",
+        True,
+        "/update_weights_from_tensor",
         lambda env: _tensor_body(encode_named_tensors([_q(env)]), selector="all"),
         "payload selector 'all' differs from the open session's selector 'target'",
     ),
     "unknown-name": (
-        True, "/update_weights_from_tensor",
+        True,
+        "/update_weights_from_tensor",
         lambda env: _tensor_body(encode_named_tensors([("model.layers.0.mlp.nope.weight", torch.zeros(3))])),
         "unknown parameter name 'model.layers.0.mlp.nope.weight'",
     ),
     "draft-name-under-target": (
-        True, "/update_weights_from_tensor",
+        True,
+        "/update_weights_from_tensor",
         lambda env: _tensor_body(encode_named_tensors([(env["draft"][0], torch.zeros(1))])),
         "which selector 'target' does not cover",
     ),
     "shape-mismatch": (
-        True, "/update_weights_from_tensor",
-        lambda env: _tensor_body(encode_named_tensors([(_q(env)[0], torch.zeros(2, 2))])), "expected shape",
+        True,
+        "/update_weights_from_tensor",
+        lambda env: _tensor_body(encode_named_tensors([(_q(env)[0], torch.zeros(2, 2))])),
+        "expected shape",
     ),
     "dtype-mismatch": (
-        True, "/update_weights_from_tensor",
+        True,
+        "/update_weights_from_tensor",
         lambda env: _tensor_body(encode_named_tensors([(_q(env)[0], _q(env)[1].to(torch.bfloat16))])),
         "dtype bfloat16",
     ),
     "bad-base64": (True, "/update_weights_from_tensor", lambda env: _tensor_body("%%% not base64"), "not valid base64"),
     "pickle-outside-allow-list": (
-        True, "/update_weights_from_tensor",
+        True,
+        "/update_weights_from_tensor",
         lambda env: _tensor_body(_b64(pickle.dumps([("a", _RunsCode())]))),
         "builtins.exec, which is outside the allow-list",
     ),
     "two-payloads-for-tp1": (
-        True, "/update_weights_from_tensor",
-        lambda env: {**_tensor_body("x"), "serialized_named_tensors": ["x", "y"]}, "takes exactly one",
+        True,
+        "/update_weights_from_tensor",
+        lambda env: {**_tensor_body("x"), "serialized_named_tensors": ["x", "y"]},
+        "takes exactly one",
     ),
     "unaligned-tensor-bucket": (
-        True, "/update_weights_from_tensor",
+        True,
+        "/update_weights_from_tensor",
         lambda env: _tensor_body(_unaligned_tensor_bucket(env), load_format="flattened_bucket"),
         "Unaligned received tensor",
     ),
     "forged-shared-memory-size": (
-        True, "/update_weights_from_tensor", lambda env: _tensor_body(_forged_size_payload()), "payload claims",
+        True,
+        "/update_weights_from_tensor",
+        lambda env: _tensor_body(_forged_size_payload()),
+        "payload claims",
     ),
     # A handle this host cannot open (another host's segment, or one its producer already freed): refused naming
     # the handle, as SGLang refuses a CUDA IPC handle of a GPU it cannot see ("Invalid device_uuid").
     "shared-memory-segment-not-on-this-host": (
-        True, "/update_weights_from_tensor", lambda env: _tensor_body(_foreign_segment_payload(env)),
+        True,
+        "/update_weights_from_tensor",
+        lambda env: _tensor_body(_foreign_segment_payload(env)),
         f"shared-memory segment b'{_FOREIGN_SEGMENT}' cannot be opened: No such file or directory",
     ),
     "shared-memory-manager-not-on-this-host": (
-        True, "/update_weights_from_tensor", lambda env: _tensor_body(_foreign_manager_payload(env)),
+        True,
+        "/update_weights_from_tensor",
+        lambda env: _tensor_body(_foreign_manager_payload(env)),
         f"shared-memory manager b'{_FOREIGN_MANAGER}' is not reachable",
     ),
     "unaligned-distributed-bucket": (
-        True, "/update_weights_from_distributed",
+        True,
+        "/update_weights_from_distributed",
         lambda env: _distributed(["a", "b"], ["bfloat16", "float32"], [[3], [2]], load_format="flattened_bucket"),
         "Unaligned received tensor b",
     ),
     "negative-dims": (
-        True, "/update_weights_from_distributed",
-        lambda env: _distributed([_q(env)[0]], ["float32"], [[-1, 128]]), "Negative dimension",
+        True,
+        "/update_weights_from_distributed",
+        lambda env: _distributed([_q(env)[0]], ["float32"], [[-1, 128]]),
+        "Negative dimension",
     ),
     "length-mismatch": (
-        True, "/update_weights_from_distributed",
-        lambda env: _distributed([_q(env)[0], "x"], ["float32"], [[1]]), "differ in length",
+        True,
+        "/update_weights_from_distributed",
+        lambda env: _distributed([_q(env)[0], "x"], ["float32"], [[1]]),
+        "differ in length",
     ),
     "unknown-dtype": (
-        True, "/update_weights_from_distributed",
-        lambda env: _distributed([_q(env)[0]], ["float33"], [list(_q(env)[1].shape)]), "float33",
+        True,
+        "/update_weights_from_distributed",
+        lambda env: _distributed([_q(env)[0]], ["float33"], [list(_q(env)[1].shape)]),
+        "float33",
     ),
     "wrong-group-name": (
-        True, "/update_weights_from_distributed",
+        True,
+        "/update_weights_from_distributed",
         lambda env: {**_distributed([_q(env)[0]], ["float32"], [list(_q(env)[1].shape)]), "group_name": "other"},
         "no update group named 'other'",
     ),

@@ -17,8 +17,8 @@ from miles_sync.engine.reference.models import load_tokenizer
 from miles_sync.engine.reference.runner import load_runners
 from miles_sync.engine.reference.scheduler import Scheduler, choose_token
 from miles_sync.engine.reference.speculative import DraftInput, NgramProposer, accept_tokens
-from miles_sync.layout import WeightLayout
-from miles_sync.protocol import FinishReasonKind, GenerateRequest, GenerateResponse, PauseMode, SamplingParams
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.protocol import FinishReasonKind, GenerateRequest, GenerateResponse, PauseMode, SamplingParams
 
 LANGUAGE = LanguageRecipe()
 TIMEOUT_S = 60.0

@@ -9,13 +9,13 @@ import pytest
 import torch
 from reference_server import ServerProcess, checkpoint_tensors, checksums, generate, mtp_names, reference_server
 
-from miles_sync.bucket import pack_bucket
-from miles_sync.checksum import role_checksums
-from miles_sync.codec import decode
 from miles_sync.engine.reference.server import CHECKSUM_NAMES_KEY
-from miles_sync.protocol import GenerateResponse
-from miles_sync.selector import DraftKind, DraftReport
-from miles_sync.tensor_payload import FlattenedTensorMetadata, encode_flattened_bucket, encode_named_tensors
+from miles_sync.weights.checksum import role_checksums
+from miles_sync.wire.bucket import pack_bucket
+from miles_sync.wire.codec import decode
+from miles_sync.wire.draft import DraftKind, DraftReport
+from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, encode_named_tensors
+from miles_sync.wire.protocol import GenerateResponse
 
 API_KEY = "test-key-1c9f"
 

@@ -19,9 +19,9 @@ import torch
 from reference_server import ServerProcess, checkpoint_tensors, checksums, generate, mtp_names, reference_server
 
 from miles_sync.engine.client import EngineClient
-from miles_sync.protocol import ChecksumNames
 from miles_sync.engine.reference.server import CHECKSUM_NAMES_KEY
-from miles_sync.tensor_payload import encode_named_tensors
+from miles_sync.wire.payload import encode_named_tensors
+from miles_sync.wire.protocol import ChecksumNames
 
 TIMEOUT_S = 60.0
 
@@ -36,9 +36,11 @@ def target_weights(reference_checkpoints) -> list[tuple[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def server(reference_checkpoints, tmp_path_factory) -> Iterator[ServerProcess]:
     with reference_server(
-        model=reference_checkpoints / "target", draft_kind="mtp", weight_layout="aiter",
+        model=reference_checkpoints / "target",
+        draft_kind="mtp",
+        weight_layout="aiter",
         log_dir=tmp_path_factory.mktemp("parity"),
-    ) as server:  # fmt: skip
+    ) as server:
         yield server
 
 
@@ -136,9 +138,13 @@ def test_a_flushing_update_fails_after_loading_while_a_request_runs(server, targ
 
 def test_engine_checksum_names_and_draft_step_roles(reference_checkpoints, tmp_path, server):
     with reference_server(
-        model=reference_checkpoints / "target", draft_kind="mtp", weight_layout="aiter", checksum_names="engine",
-        draft_role="draft_step_0", log_dir=tmp_path,
-    ) as engine_names:  # fmt: skip
+        model=reference_checkpoints / "target",
+        draft_kind="mtp",
+        weight_layout="aiter",
+        checksum_names="engine",
+        draft_role="draft_step_0",
+        log_dir=tmp_path,
+    ) as engine_names:
         status, info = engine_names.get("/get_server_info", timeout_s=TIMEOUT_S)
         assert status == 200 and info[CHECKSUM_NAMES_KEY] == "engine"
         answer = engine_names.ok("/weights_checker", {"action": "checksum", "selector": "all"})

@@ -19,11 +19,15 @@ from recording_proxy import recording_proxy
 from reference_server import reference_server
 from sender_host import ProcessSource, SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
 
-from miles_sync.checksum import DRAFT_PREFIX, tensor_checksum
-from miles_sync.controller import SyncController, SyncError
 from miles_sync.engine.client import EngineClient
-from miles_sync.plan import plan_buckets
-from miles_sync.protocol import (
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.controller import SyncController, SyncError
+from miles_sync.sync.plan import plan_buckets
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.weights.checksum import DRAFT_PREFIX, tensor_checksum
+from miles_sync.wire.payload import segment_pid
+from miles_sync.wire.protocol import (
     GenerateRequest,
     PauseMode,
     SamplingParams,
@@ -31,9 +35,6 @@ from miles_sync.protocol import (
     WeightsCheckerAction,
     WeightsCheckerRequest,
 )
-from miles_sync.selector import ConversionMode, SelectorMode
-from miles_sync.session import SelectorInputs, SessionTimeouts
-from miles_sync.tensor_payload import segment_pid
 
 BUCKET_BYTES = 256 * 1024  # the 2.7 MB target travels in about a dozen buckets
 COLLECTIVE_TIMEOUT_S = 15.0
@@ -61,9 +62,11 @@ def settings(transport: str, *, include_mtp: bool, plan_feeds: bool = False) -> 
 
 def start_engine(checkpoints: Path, log_dir: Path):
     return reference_server(
-        model=checkpoints / "target", log_dir=log_dir, **ENGINE_ARGS,
+        model=checkpoints / "target",
+        log_dir=log_dir,
+        **ENGINE_ARGS,
         extra_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)),
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +120,15 @@ def engines(reference_checkpoints, tmp_path_factory):
 
 def controller(urls, source, *, transport: str, selector_inputs: SelectorInputs) -> SyncController:
     return SyncController(
-        engine_urls=urls, source=source, transport=transport, selector_inputs=selector_inputs,
-        pause_mode=PauseMode.RETRACT, verify=True, timeouts=TIMEOUTS, show_progress=False,
-    )  # fmt: skip
+        engine_urls=urls,
+        source=source,
+        transport=transport,
+        selector_inputs=selector_inputs,
+        pause_mode=PauseMode.RETRACT,
+        verify=True,
+        timeouts=TIMEOUTS,
+        show_progress=False,
+    )
 
 
 async def engine_checksums(url: str, selector: Selector) -> dict[str, str]:
@@ -272,11 +281,25 @@ def test_failed_verification_holds_engines_paused_with_their_weights_untouched(e
             served = [await generate(u) for u in urls]
         finally:
             await ctl.close()
-        return (previous, committed_after_failure, failed.value.report, before, after, paused, versions, held, serving,
-                recovered, resumed, served, ctl)  # fmt: skip
+        return (
+            previous,
+            committed_after_failure,
+            failed.value.report,
+            before,
+            after,
+            paused,
+            versions,
+            held,
+            serving,
+            recovered,
+            resumed,
+            served,
+            ctl,
+        )
 
-    (previous, committed, failure, before, after, paused, versions, held, serving, recovered, resumed, served,
-     ctl) = asyncio.run(main())  # fmt: skip
+    (previous, committed, failure, before, after, paused, versions, held, serving, recovered, resumed, served, ctl) = (
+        asyncio.run(main())
+    )
     # The exporter dropped a tensor: every engine still holds its old copy, which the trainer never sent.
     assert not failure.committed and "verification failed" in failure.error
     for url in urls:
@@ -372,14 +395,39 @@ def test_engine_killed_mid_sync_then_group_recreated(reference_checkpoints, sour
                 await ctl.close()
         finally:
             await ctl.close()
-        return (good, failed.value.report, failed_s, survivor_after_failure, survivor_paused, recovered, served, held,
-                first_membership, second_membership, serving, ctl)  # fmt: skip
+        return (
+            good,
+            failed.value.report,
+            failed_s,
+            survivor_after_failure,
+            survivor_paused,
+            recovered,
+            served,
+            held,
+            first_membership,
+            second_membership,
+            serving,
+            ctl,
+        )
 
-    with proxied_engine(reference_checkpoints, tmp_path) as survivor, proxied_engine(
-        reference_checkpoints, tmp_path
-    ) as victim:
-        (good, failure, failed_s, survivor_version, survivor_paused, recovered, served, held, first_membership,
-         second_membership, serving, ctl) = asyncio.run(main(survivor, victim))  # fmt: skip
+    with (
+        proxied_engine(reference_checkpoints, tmp_path) as survivor,
+        proxied_engine(reference_checkpoints, tmp_path) as victim,
+    ):
+        (
+            good,
+            failure,
+            failed_s,
+            survivor_version,
+            survivor_paused,
+            recovered,
+            served,
+            held,
+            first_membership,
+            second_membership,
+            serving,
+            ctl,
+        ) = asyncio.run(main(survivor, victim))
         survivor_url = survivor.url
 
     assert good.committed and good.version == "1"

@@ -16,25 +16,19 @@ from typing import Any
 
 import ray
 
+from actors.placement import PlacedGroups, create_placement_groups
 from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
 from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
 from miles_sync.config import TrainerConfig
-from miles_sync.engine.launcher import ReferenceEngineSpec
-from miles_sync.layout import WeightLayout
-from miles_sync.placement import (
-    PlacedGroups,
-    PlacementPlan,
-    create_placement_groups,
-    plan_colocated_feeds,
-    plan_placement,
-)
-from miles_sync.selector import DraftKind
 from miles_sync.engine.client import EngineClient
-from miles_sync import rl
-from miles_sync.engine.launcher import Sample
-from miles_sync.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
-from miles_sync.rl import make_prompts, reward, train_batch  # noqa: F401 - reward, train_batch: for the tests
-
+from miles_sync.engine.reference.launch import ReferenceEngineSpec
+from miles_sync.engine.rollout import Sample
+from miles_sync.job import rl
+from miles_sync.job.placement import PlacementPlan, plan_colocated_feeds, plan_placement
+from miles_sync.job.rl import make_prompts
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
 
 RAY_TIMEOUT_S = 300.0  # every ray.get in these tests waits at most this long
 OBJECT_STORE_BYTES = 128 * 2**20
@@ -136,13 +130,18 @@ def started_fleet(
 ) -> Iterator[Fleet]:
     """Start the fleet on the running cluster; shut down trainers, engines and placement groups on exit."""
     plan = plan_placement(
-        layout="colocated", num_trainers=2, num_engines=2,
-        trainer=DEFAULT_TRAINER_RESOURCES, engine=DEFAULT_ENGINE_RESOURCES,
-    )  # fmt: skip
+        layout="colocated",
+        num_trainers=2,
+        num_engines=2,
+        trainer=DEFAULT_TRAINER_RESOURCES,
+        engine=DEFAULT_ENGINE_RESOURCES,
+    )
     spec = ReferenceEngineSpec(
-        model_dir=checkpoint_dir, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER,
+        model_dir=checkpoint_dir,
+        draft_kind=DraftKind.MTP,
+        weight_layout=WeightLayout.AITER,
         collective_timeout_s=engine_collective_timeout_s,
-    )  # fmt: skip
+    )
     with ExitStack() as stack:
         placed = create_placement_groups(plan, timeout_s=60.0, name_prefix=name)
         stack.callback(placed.remove)
@@ -151,9 +150,12 @@ def started_fleet(
             engines_future = pool.submit(create_engines, specs=[spec, spec], log_dir=log_dir, placement=placed)
             # With the colocated transport each engine is fed by the trainer rank on its bundle.
             trainers_future = pool.submit(
-                create_trainers, trainer=trainer, checkpoint_dir=checkpoint_dir, placement=placed,
+                create_trainers,
+                trainer=trainer,
+                checkpoint_dir=checkpoint_dir,
+                placement=placed,
                 feeds=plan_colocated_feeds(plan),
-            )  # fmt: skip
+            )
             engines, trainers = engines_future.result(), trainers_future.result()
         stack.callback(engines.shutdown)
         fleet = Fleet(plan=plan, placed=placed, engines=engines, trainers=trainers, checkpoint_dir=checkpoint_dir)

@@ -33,17 +33,26 @@ import pytest
 import ray
 from aiohttp import web
 from ray_fleet import (
-    RAY_TIMEOUT_S, Fleet, current_urls, local_ray, prompts, started_fleet, target_checksum, train_batch,
-)  # fmt: skip
+    RAY_TIMEOUT_S,
+    Fleet,
+    current_urls,
+    local_ray,
+    prompts,
+    started_fleet,
+    target_checksum,
+    train_batch,
+)
 
 from actors.controller import create_controller
 from actors.trainer import create_trainers
-from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, Transport
-from miles_sync.embedding import attached_source
-from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient, EngineError
-from miles_sync.engine.launcher import generate_samples
-from miles_sync.protocol import DestroyWeightsUpdateGroupRequest, SamplingParams
-from miles_sync.report import SyncProgress, SyncReport
+from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
+from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
+from miles_sync.engine.rollout import generate_samples
+from miles_sync.sync.attach import attached_source
+from miles_sync.sync.report import SyncProgress, SyncReport
+from miles_sync.transport.base import TransportKind
+from miles_sync.wire.api import EngineError
+from miles_sync.wire.protocol import DestroyWeightsUpdateGroupRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +62,12 @@ TRAINER = TrainerConfig(tp=2, lr=1e-4)
 ENGINE_COLLECTIVE_TIMEOUT_S = 10.0
 # Small timeouts, so that every fault ends quickly; several buckets per sync, as a real model has many.
 FAULT_SYNC = SyncConfig(
-    transport=Transport.DISTRIBUTED, bucket_bytes=256 * 1024, http_timeout_s=4.0, collective_timeout_s=8.0,
+    transport=TransportKind.DISTRIBUTED,
+    bucket_bytes=256 * 1024,
+    http_timeout_s=4.0,
+    collective_timeout_s=8.0,
     sync_timeout_s=40.0,
-)  # fmt: skip
+)
 # After its deadline a failed session still tears down: source close, end, checksum read, resume, each one engine
 # call bounded by the HTTP timeout (one more kept as margin). The slack is for a shared 2-core machine.
 TEARDOWN_CALLS = 5
@@ -65,10 +77,16 @@ FAILED_SYNC_BOUND_S = FAULT_SYNC.sync_timeout_s + TEARDOWN_CALLS * FAULT_SYNC.ht
 
 @pytest.fixture(scope="module")
 def fleet(reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
-    with local_ray(num_cpus=2), started_fleet(
-        checkpoint_dir=str(reference_checkpoints / "target"), log_dir=tmp_path_factory.mktemp("engines"),
-        trainer=TRAINER, engine_collective_timeout_s=ENGINE_COLLECTIVE_TIMEOUT_S, name="faults",
-    ) as fleet:  # fmt: skip
+    with (
+        local_ray(num_cpus=2),
+        started_fleet(
+            checkpoint_dir=str(reference_checkpoints / "target"),
+            log_dir=tmp_path_factory.mktemp("engines"),
+            trainer=TRAINER,
+            engine_collective_timeout_s=ENGINE_COLLECTIVE_TIMEOUT_S,
+            name="faults",
+        ) as fleet,
+    ):
         yield fleet
 
 

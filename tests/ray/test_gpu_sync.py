@@ -15,12 +15,13 @@ from ray_fleet import RAY_TIMEOUT_S, local_ray, prompts
 from actors.controller import create_controller
 from actors.rollout import create_engines
 from actors.trainer import create_trainers
-from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, Transport
-from miles_sync.engine.launcher import ReferenceEngineSpec
-from miles_sync.layout import WeightLayout
-from miles_sync.placement import Resources
-from miles_sync.protocol import SamplingParams
-from miles_sync.selector import DraftKind
+from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
+from miles_sync.engine.reference.launch import ReferenceEngineSpec
+from miles_sync.job.placement import Resources
+from miles_sync.transport.base import TransportKind
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +34,7 @@ def cluster():
         yield
 
 
-def sync_once(*, transport: Transport, backend: str, gpus_per_actor: float, checkpoints, log_dir) -> None:
+def sync_once(*, transport: TransportKind, backend: str, gpus_per_actor: float, checkpoints, log_dir) -> None:
     target = str(checkpoints / "target")
     spec = ReferenceEngineSpec(model_dir=target, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER)
     on_gpu = Resources(num_cpus=0.01, num_gpus=gpus_per_actor)
@@ -44,9 +45,13 @@ def sync_once(*, transport: Transport, backend: str, gpus_per_actor: float, chec
         trainers = create_trainers(trainer=TrainerConfig(tp=1), checkpoint_dir=target, resources=on_gpu)
         stack.callback(trainers.shutdown)
         controller = create_controller(
-            trainers=trainers.actors, engine_urls=engines.urls, sync=SyncConfig(transport=transport),
-            model=MODEL, backend=backend, device="cuda",
-        )  # fmt: skip
+            trainers=trainers.actors,
+            engine_urls=engines.urls,
+            sync=SyncConfig(transport=transport),
+            model=MODEL,
+            backend=backend,
+            device="cuda",
+        )
         stack.callback(ray.kill, controller)
         report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert report.committed, report.summary()
@@ -63,14 +68,20 @@ def sync_once(*, transport: Transport, backend: str, gpus_per_actor: float, chec
 def test_colocated_sync_with_cuda_ipc_handles(cluster, reference_checkpoints, tmp_path):
     # Trainer and engine share one GPU: the bucket travels as a CUDA IPC handle to the trainer's device memory.
     sync_once(
-        transport=Transport.COLOCATED, backend="nccl", gpus_per_actor=0.5, checkpoints=reference_checkpoints,
+        transport=TransportKind.COLOCATED,
+        backend="nccl",
+        gpus_per_actor=0.5,
+        checkpoints=reference_checkpoints,
         log_dir=tmp_path,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL group needs one GPU per rank")
 def test_distributed_sync_over_nccl(cluster, reference_checkpoints, tmp_path):
     sync_once(
-        transport=Transport.DISTRIBUTED, backend="nccl", gpus_per_actor=1.0, checkpoints=reference_checkpoints,
+        transport=TransportKind.DISTRIBUTED,
+        backend="nccl",
+        gpus_per_actor=1.0,
+        checkpoints=reference_checkpoints,
         log_dir=tmp_path,
-    )  # fmt: skip
+    )

@@ -103,17 +103,30 @@ def test_ray_job_submit_to_a_local_head(tmp_path):
     gcs_port, dashboard_port = free_port(), free_port()
     ray_cli = str(Path(venv_bin) / "ray")
     start = [
-        ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=2",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        ray_cli,
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_port}",
+        "--num-cpus=2",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
         "--disable-usage-stats",
-    ]  # fmt: skip
+    ]
     started = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
     try:
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         submit = [
-            "bash", str(REPO / "launch" / "submit.sh"), "--address", f"http://127.0.0.1:{dashboard_port}",
-            f"output_dir={tmp_path}", "num_rounds=1", "run_name=submitted", *SMALL,
-        ]  # fmt: skip
+            "bash",
+            str(REPO / "launch" / "submit.sh"),
+            "--address",
+            f"http://127.0.0.1:{dashboard_port}",
+            f"output_dir={tmp_path}",
+            "num_rounds=1",
+            "run_name=submitted",
+            *SMALL,
+        ]
         done = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-4000:]

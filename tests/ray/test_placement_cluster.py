@@ -18,14 +18,16 @@ from ray.cluster_utils import Cluster
 from ray_fleet import RAY_TIMEOUT_S
 
 from actors.controller import create_controller
+from actors.placement import create_placement_groups
 from actors.rollout import create_engines
 from actors.trainer import create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
-from miles_sync.engine.launcher import ReferenceEngineSpec, RolloutWorker
-from miles_sync.layout import WeightLayout
-from miles_sync.placement import Resources, create_placement_groups, plan_placement
-from miles_sync.selector import DraftKind
-from miles_sync.trainer import TrainerWorker
+from miles_sync.engine.reference.launch import ReferenceEngineSpec
+from miles_sync.engine.rollout import RolloutWorker
+from miles_sync.job.placement import Resources, plan_placement
+from miles_sync.job.trainer import TrainerWorker
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.draft import DraftKind
 
 NODE_ARGS = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 * 2**20)
 ON_TRAINER_NODE = Resources(num_cpus=0.01, custom=(("trainer_node", 1.0),))
@@ -73,9 +75,12 @@ def test_disaggregated_trainers_and_engines_land_on_their_nodes_and_sync(nodes, 
         assert [node_of(a) for a in trainers.actors] == [trainer_node, trainer_node]
         assert [node_of(a) for a in engines.actors] == [rollout_node, rollout_node]
         controller = create_controller(
-            trainers=trainers.actors, engine_urls=engines.urls, sync=SyncConfig(bucket_bytes=512 * 1024),
-            model=ModelConfig(arch="qwen3", speculative_algorithm="NEXTN"), options={"num_cpus": 0},
-        )  # fmt: skip
+            trainers=trainers.actors,
+            engine_urls=engines.urls,
+            sync=SyncConfig(bucket_bytes=512 * 1024),
+            model=ModelConfig(arch="qwen3", speculative_algorithm="NEXTN"),
+            options={"num_cpus": 0},
+        )
         stack.callback(ray.kill, controller)
         report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert report.committed, report.summary()
@@ -86,18 +91,22 @@ def test_disaggregated_trainers_and_engines_land_on_their_nodes_and_sync(nodes, 
 
 def test_colocated_bundles_spread_over_nodes_keep_each_trainer_with_its_engine(nodes, tmp_path):
     plan = plan_placement(
-        layout="colocated", num_trainers=2, num_engines=2, trainer=Resources(num_cpus=0.01),
-        engine=Resources(num_cpus=0.01), strategy="STRICT_SPREAD",
-    )  # fmt: skip
+        layout="colocated",
+        num_trainers=2,
+        num_engines=2,
+        trainer=Resources(num_cpus=0.01),
+        engine=Resources(num_cpus=0.01),
+        strategy="STRICT_SPREAD",
+    )
     spec = ReferenceEngineSpec(model_dir=str(tmp_path / "never-started"))
     with ExitStack() as stack:
         placed = create_placement_groups(plan, timeout_s=60.0)
         stack.callback(placed.remove)
         # The actors are only constructed (cheap); where they run is what this test is about.
         trainers = [
-            ray.remote(TrainerWorker).options(**placed.trainer_options(rank)).remote(
-                rank=rank, trainer=TrainerConfig(tp=2), checkpoint_dir="unused"
-            )
+            ray.remote(TrainerWorker)
+            .options(**placed.trainer_options(rank))
+            .remote(rank=rank, trainer=TrainerConfig(tp=2), checkpoint_dir="unused")
             for rank in range(2)
         ]
         engines = [
@@ -113,9 +122,12 @@ def test_colocated_bundles_spread_over_nodes_keep_each_trainer_with_its_engine(n
 
 def test_unplaceable_plan_times_out_naming_the_group(nodes):
     plan = plan_placement(
-        layout="disaggregated", num_trainers=1, num_engines=1, trainer=ON_TRAINER_NODE,
+        layout="disaggregated",
+        num_trainers=1,
+        num_engines=1,
+        trainer=ON_TRAINER_NODE,
         engine=Resources(num_cpus=0.01, custom=(("gpu_node", 1.0),)),
-    )  # fmt: skip
+    )
     with pytest.raises(TimeoutError, match=r"engines \[\{'CPU': 0.01, 'gpu_node': 1.0\}\]") as info:
         create_placement_groups(plan, timeout_s=2.0)
     assert "trainers" not in str(info.value)  # the trainer group could be placed

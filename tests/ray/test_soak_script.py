@@ -16,13 +16,22 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "soak.py"
 RUN_TIMEOUT_S = 600
 NUM_SYNCS, WARMUP = 4, 1
-ROLES = {"driver", "trainer[0]", "trainer[1]", "controller", "engine-actor[0]", "engine-actor[1]",
-         "engine-server[0]", "engine-server[1]"}  # fmt: skip
+ROLES = {
+    "driver",
+    "trainer[0]",
+    "trainer[1]",
+    "controller",
+    "engine-actor[0]",
+    "engine-actor[1]",
+    "engine-server[0]",
+    "engine-server[1]",
+}
 
 
 def run_soak(*args: str, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def is_running(pid: int) -> bool:
@@ -37,8 +46,9 @@ def is_running(pid: int) -> bool:
 @pytest.mark.parametrize("transport", ["distributed", "colocated"])
 def test_short_soak_reports_consistent_figures_and_leaves_nothing_behind(tmp_path, transport):
     json_path = tmp_path / "soak.json"
-    done = run_soak("--syncs", str(NUM_SYNCS), "--warmup", str(WARMUP), "--transport", transport,
-                    "--json", str(json_path))  # fmt: skip
+    done = run_soak(
+        "--syncs", str(NUM_SYNCS), "--warmup", str(WARMUP), "--transport", transport, "--json", str(json_path)
+    )
     output = done.stdout[-4000:] + done.stderr[-4000:]
     assert json_path.is_file(), output
     result = json.loads(json_path.read_text())

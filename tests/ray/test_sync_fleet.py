@@ -39,9 +39,10 @@ from ray_fleet import (
 )
 
 from actors.controller import create_controller
-from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, Transport
-from miles_sync.embedding import attached_source
-from miles_sync.protocol import SamplingParams, Selector
+from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
+from miles_sync.sync.attach import attached_source
+from miles_sync.transport.base import TransportKind
+from miles_sync.wire.protocol import SamplingParams, Selector
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_ROUNDS = 5
@@ -60,14 +61,17 @@ def cluster():
 @pytest.fixture(scope="module")
 def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
     with started_fleet(
-        checkpoint_dir=str(reference_checkpoints / "target"), log_dir=tmp_path_factory.mktemp("engines"),
-        trainer=TrainerConfig(tp=2, lr=1e-4), engine_collective_timeout_s=20.0, name="fleet",
-    ) as fleet:  # fmt: skip
+        checkpoint_dir=str(reference_checkpoints / "target"),
+        log_dir=tmp_path_factory.mktemp("engines"),
+        trainer=TrainerConfig(tp=2, lr=1e-4),
+        engine_collective_timeout_s=20.0,
+        name="fleet",
+    ) as fleet:
         yield fleet
 
 
 @contextlib.contextmanager
-def controller_for(fleet: Fleet, transport: Transport, **sync_overrides):
+def controller_for(fleet: Fleet, transport: TransportKind, **sync_overrides):
     sync = SyncConfig(transport=transport, **{**SYNC, **sync_overrides})
     urls = current_urls(fleet.engines.actors)
     handle = create_controller(trainers=fleet.trainers.actors, engine_urls=urls, sync=sync, model=MODEL)
@@ -123,7 +127,7 @@ def node_of(actor) -> str:
 
 
 def test_distributed_rounds(fleet):
-    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         accept = run_rounds(fleet, controller)
         membership = ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S)
         assert membership is not None and membership.backend == "gloo" and membership.world_size == 3
@@ -138,7 +142,7 @@ def test_distributed_rounds(fleet):
 
 
 def test_update_group_store_listens_on_loopback_only(fleet):
-    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert listeners_off_loopback(own_pids(fleet, controller)) == []
 
@@ -154,7 +158,7 @@ def test_colocated_rounds(fleet):
     assert fleet.plan.shared_bundles() == {0: (0,), 1: (1,)}
     for engine, ranks in fleet.plan.shared_bundles().items():
         assert node_of(fleet.engines.actors[engine]) == node_of(fleet.trainers.actors[ranks[0]])
-    with controller_for(fleet, Transport.COLOCATED) as controller:
+    with controller_for(fleet, TransportKind.COLOCATED) as controller:
         assert ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S) is None  # no update group
         accept = run_rounds(fleet, controller)
         # Engine j mapped trainer rank j's own memory: rank j posted engine j's requests, and every handle in them
@@ -168,7 +172,6 @@ def test_colocated_rounds(fleet):
                 (rank, urls[rank], 0, rank, pids[rank])
             }, posted
     print("colocated accept lengths", accept)
-
 
 
 @contextlib.contextmanager
@@ -191,9 +194,16 @@ def server_without_sessions():
         app = web.Application()
         app.router.add_get("/get_server_info", server_info)
         app.router.add_get("/model_info", model_info)
-        for path in ("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
-                     "/update_weights_from_tensor", "/update_weight_version", "/pause_generation",
-                     "/continue_generation", "/weights_checker"):  # fmt: skip
+        for path in (
+            "/init_weights_update_group",
+            "/destroy_weights_update_group",
+            "/update_weights_from_distributed",
+            "/update_weights_from_tensor",
+            "/update_weight_version",
+            "/pause_generation",
+            "/continue_generation",
+            "/weights_checker",
+        ):
             app.router.add_post(path, refuse)
         runner = web.AppRunner(app)
         await runner.setup()
@@ -217,9 +227,12 @@ def test_engine_without_session_endpoints_is_refused_at_connect(fleet):
     with server_without_sessions() as old_url:
         with pytest.raises(Exception) as info:
             create_controller(
-                trainers=fleet.trainers.actors, engine_urls=[real_url, old_url],
-                sync=SyncConfig(**SYNC), model=MODEL, timeout_s=60.0,
-            )  # fmt: skip
+                trainers=fleet.trainers.actors,
+                engine_urls=[real_url, old_url],
+                sync=SyncConfig(**SYNC),
+                model=MODEL,
+                timeout_s=60.0,
+            )
     message = str(info.value)
     assert old_url in message and real_url not in message.replace(old_url, "")
     assert "/begin_weight_update" in message and "/end_weight_update" in message
@@ -229,11 +242,18 @@ def test_embedding_example_syncs_a_pipelines_own_trainers(fleet, reference_check
     urls = current_urls(fleet.engines.actors)
     before = {target_checksum(u) for u in urls}
     command = [
-        sys.executable, str(REPO / "examples" / "embed_in_pipeline.py"),
-        "--address", ray.get_runtime_context().gcs_address,
-        "--checkpoint", str(reference_checkpoints / "target"), "--steps", "2", "--tp", "2",
+        sys.executable,
+        str(REPO / "examples" / "embed_in_pipeline.py"),
+        "--address",
+        ray.get_runtime_context().gcs_address,
+        "--checkpoint",
+        str(reference_checkpoints / "target"),
+        "--steps",
+        "2",
+        "--tp",
+        "2",
         *(arg for url in urls for arg in ("--engine-url", url)),
-    ]  # fmt: skip
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RAY_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
@@ -259,7 +279,7 @@ def slow_export(unit_index: int, seconds: float):
 
 def test_bucket_progress_reaches_the_driver_while_the_sync_runs(fleet):
     source = fleet.trainers.actors[fleet.source_rank]
-    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         num_units = fleet.num_tensors  # at least one unit per bucket boundary; pause halfway through the export
         ray.get(source.__ray_call__.remote(slow_export(num_units // 2, 3.0)), timeout=60)
         try:
@@ -295,10 +315,10 @@ def failing_export(unit_index: int):
 def test_staged_export_sends_the_same_bytes_and_a_failed_stage_changes_nothing(fleet):
     urls = current_urls(fleet.engines.actors)
     source = fleet.trainers.actors[fleet.source_rank]
-    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         plain = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         after_plain = {target_checksum(u) for u in urls}
-    with controller_for(fleet, Transport.DISTRIBUTED, staged=True) as controller:
+    with controller_for(fleet, TransportKind.DISTRIBUTED, staged=True) as controller:
         # No training step in between: a staged sync of the same weights must leave the same bytes.
         staged = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert staged.committed and staged.phases.stage_s > 0, staged.summary()
@@ -362,7 +382,7 @@ def restart_victim(fleet: Fleet, controller, victim_url: str) -> str:
 
 def test_engine_killed_during_broadcast(fleet):
     victim, survivor = fleet.engines.actors
-    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         victim_url, survivor_url = current_urls(fleet.engines.actors)
         first, group_before, failed, elapsed = kill_during_broadcast(fleet, controller)
         assert not failed.committed and failed.error, failed.summary()
@@ -394,7 +414,7 @@ def test_engine_killed_during_broadcast(fleet):
 
 def test_survivor_of_a_killed_broadcast_serves_the_committed_version(fleet):
     survivor = fleet.engines.actors[1]
-    with controller_for(fleet, Transport.DISTRIBUTED) as controller:
+    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         victim_url, _ = current_urls(fleet.engines.actors)
         first, _, failed, _ = kill_during_broadcast(fleet, controller)
         try:

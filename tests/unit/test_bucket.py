@@ -5,9 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_sync.bucket import (
+from miles_sync.wire.bucket import (
     SUPPORTED_DTYPE_NAMES,
     BucketEntry,
+    TensorMeta,
     aligned_order,
     dtype_from_name,
     dtype_name,
@@ -15,7 +16,6 @@ from miles_sync.bucket import (
     pack_bucket,
     unpack_bucket,
 )
-from miles_sync.plan import TensorMeta
 
 ROUND_TRIP_DTYPES = [
     torch.bfloat16,

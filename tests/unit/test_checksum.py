@@ -6,8 +6,14 @@ import struct
 import pytest
 import torch
 
-from miles_sync.checksum import compare_checksums, engine_digest, logical_checksum, role_checksums, tensor_checksum
-from miles_sync.layout import WeightLayout, shuffle_weight
+from miles_sync.weights.checksum import (
+    compare_checksums,
+    engine_digest,
+    logical_checksum,
+    role_checksums,
+    tensor_checksum,
+)
+from miles_sync.weights.layout import WeightLayout, shuffle_weight
 
 
 def test_checksum_is_sha256_of_header_and_little_endian_bytes():

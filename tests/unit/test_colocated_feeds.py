@@ -9,9 +9,7 @@ import pickle
 import pytest
 import torch
 
-from miles_sync.bucket import BucketEntry
-from miles_sync.placement import Resources, plan_colocated_feeds, plan_placement
-from miles_sync.protocol import Selector
+from miles_sync.job.placement import Resources, plan_colocated_feeds, plan_placement
 from miles_sync.transport.base import Device, EngineEndpoint, EngineFeed, FeedPlan, FeedRole, plan_feeds
 from miles_sync.transport.colocated import (
     BucketAnnouncement,
@@ -21,6 +19,8 @@ from miles_sync.transport.colocated import (
     RankOutcomes,
     SendEnd,
 )
+from miles_sync.wire.bucket import BucketEntry
+from miles_sync.wire.protocol import Selector
 
 CPU = Resources(num_cpus=0.01)
 
@@ -121,9 +121,13 @@ def test_plan_is_checked_against_the_engines_it_is_used_with():
 )
 def test_feeds_follow_the_colocated_placement(num_trainers, num_engines, tp, feeders):
     placement = plan_placement(
-        layout="colocated", num_trainers=num_trainers, num_engines=num_engines, trainer=CPU, engine=CPU,
+        layout="colocated",
+        num_trainers=num_trainers,
+        num_engines=num_engines,
+        trainer=CPU,
+        engine=CPU,
         engine_tp_size=tp,
-    )  # fmt: skip
+    )
     plan = plan_colocated_feeds(placement)
     assert [e.feeders for e in plan.engines] == feeders
     assert [e.poster for e in plan.engines] == [f[0] for f in feeders]
@@ -142,7 +146,9 @@ def test_disaggregated_placement_is_refused_for_the_colocated_transport():
         plan_feeds(trainer_devices=[A0, A1], engine_devices=[[A0, A1]]),
         FeedRole(plan=FeedPlan.single_source(tp_sizes=[1]), rank=0, source_rank=0),
         BucketAnnouncement(
-            index=2, num_bytes=8, selector=Selector.TARGET,
+            index=2,
+            num_bytes=8,
+            selector=Selector.TARGET,
             entries=(BucketEntry(name="w", shape=(2,), dtype=torch.float32, start=0, end=8),),
         ),
         SendEnd(error="the source failed: boom"),
@@ -151,6 +157,6 @@ def test_disaggregated_placement_is_refused_for_the_colocated_transport():
         RankOutcomes(rank=0, failures=("http://a: refused",)),
         PostedPayload(engine=0, url="http://a", tp_rank=0, feeder=0, segment_pid=None),
     ],
-)  # fmt: skip
+)
 def test_records_round_trip(record):
     assert pickle.loads(pickle.dumps(record)) == record

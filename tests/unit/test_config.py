@@ -14,20 +14,22 @@ from miles_sync.config import (
     DEFAULT_CONFIG_DIR,
     ClusterConfig,
     EngineConfig,
-    EngineKind,
-    FinalizePolicy,
     MilesSyncConfig,
     ModelConfig,
     SyncConfig,
     TrainerConfig,
-    Transport,
-    WeightLayout,
     load_config,
     to_config,
     to_yaml,
 )
-from miles_sync.protocol import PauseMode
-from miles_sync.selector import ConversionMode, DraftKind, SelectorMode
+from miles_sync.engine.kinds import EngineKind
+from miles_sync.engine.settings import FinalizePolicy
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.transport.base import TransportKind
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.protocol import PauseMode
 
 
 def _record_keys(cls: type) -> dict:
@@ -56,7 +58,7 @@ def test_default_yaml_values_equal_the_code_defaults():
 
 def test_overrides_apply_with_their_types():
     config = load_config(overrides=["sync.transport=colocated", "engines.count=2"])
-    assert config.sync.transport is Transport.COLOCATED
+    assert config.sync.transport is TransportKind.COLOCATED
     assert config.engines.count == 2
     assert config.sync.conversion is ConversionMode.RAW  # untouched keys keep the file's values
 
@@ -144,20 +146,28 @@ def test_every_invalid_value_is_named_at_once():
 @pytest.mark.parametrize(
     ("make", "parts"),
     [
-        (lambda: SyncConfig(bucket_bytes=-1, http_timeout_s=0.0, collective_timeout_s=float("inf")),
-         ["bucket_bytes=-1", "http_timeout_s=0.0", "collective_timeout_s=inf"]),
+        (
+            lambda: SyncConfig(bucket_bytes=-1, http_timeout_s=0.0, collective_timeout_s=float("inf")),
+            ["bucket_bytes=-1", "http_timeout_s=0.0", "collective_timeout_s=inf"],
+        ),
         (lambda: EngineConfig(count=0, spec_steps=0), ["count=0", "spec_steps=0"]),
-        (lambda: EngineConfig(count=3, urls=("http://127.0.0.1:1", "127.0.0.1:2")),
-         ["urls has 2 entries but count=3", "'127.0.0.1:2'"]),
+        (
+            lambda: EngineConfig(count=3, urls=("http://127.0.0.1:1", "127.0.0.1:2")),
+            ["urls has 2 entries but count=3", "'127.0.0.1:2'"],
+        ),
         (lambda: EngineConfig(count=2, urls=("http://127.0.0.1:1", "http://127.0.0.1:1")), ["repeat a server"]),
         (lambda: TrainerConfig(tp=0, pp=-1, lr=0.0), ["tp=0", "pp=-1", "lr=0.0"]),
         (lambda: TrainerConfig(tp=2, dp=2, ep=3), ["ep=3 must divide tp*dp=2*2=4"]),
-        (lambda: ModelConfig(arch=" ", speculative_algorithm="", num_trained_mtp_layers=-2),
-         ["arch must not be empty", "speculative_algorithm", "num_trained_mtp_layers=-2"]),
+        (
+            lambda: ModelConfig(arch=" ", speculative_algorithm="", num_trained_mtp_layers=-2),
+            ["arch must not be empty", "speculative_algorithm", "num_trained_mtp_layers=-2"],
+        ),
         (lambda: ClusterConfig(num_cpus=0), ["num_cpus=0"]),
         (lambda: MilesSyncConfig(seed=-1, num_rounds=0, run_name="a/b"), ["seed=-1", "num_rounds=0", "'a/b'"]),
-        (lambda: MilesSyncConfig(engines=EngineConfig(draft_kind=DraftKind.NONE)),
-         ["model.speculative_algorithm='NEXTN' and engines.draft_kind='none' disagree"]),
+        (
+            lambda: MilesSyncConfig(engines=EngineConfig(draft_kind=DraftKind.NONE)),
+            ["model.speculative_algorithm='NEXTN' and engines.draft_kind='none' disagree"],
+        ),
     ],
 )
 def test_records_validate_at_construction(make, parts):
@@ -182,7 +192,7 @@ def test_records_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.sync.bucket_bytes = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
-        SyncConfig(Transport.COLOCATED)  # type: ignore[misc]  # keyword-only
+        SyncConfig(TransportKind.COLOCATED)  # type: ignore[misc]  # keyword-only
 
 
 @pytest.mark.parametrize(
@@ -252,5 +262,5 @@ def test_to_config_accepts_a_hydra_composed_config():
     with initialize_config_dir(config_dir=str(DEFAULT_CONFIG_DIR), version_base=None):
         cfg = compose(config_name="default", overrides=["sync.transport=colocated", "engines.count=2"])
     config = to_config(cfg)
-    assert config.sync.transport is Transport.COLOCATED and config.engines.count == 2
+    assert config.sync.transport is TransportKind.COLOCATED and config.engines.count == 2
     assert to_config(OmegaConf.to_container(cfg)) == config  # a plain mapping works too

@@ -50,9 +50,13 @@ def test_every_combination_of_keys_presented_key_and_level(configured, presented
     api_key, admin_api_key = configured
     authorization = None if presented is None else f"Bearer {presented}"
     decided = decide_auth(
-        method="POST", path="/begin_weight_update", authorization=authorization, api_key=api_key,
-        admin_api_key=admin_api_key, level=level,
-    )  # fmt: skip
+        method="POST",
+        path="/begin_weight_update",
+        authorization=authorization,
+        api_key=api_key,
+        admin_api_key=admin_api_key,
+        level=level,
+    )
     assert decided == missing
 
 
@@ -65,8 +69,12 @@ def test_health_ready_and_metrics_paths_are_always_open(path, level):
 
 def test_options_is_always_open():
     for level in (ADMIN_LEVEL, NORMAL):
-        assert decide_auth(method="OPTIONS", path="/generate", authorization=None, api_key=API, admin_api_key=ADMIN,
-                           level=level) is None  # fmt: skip
+        assert (
+            decide_auth(
+                method="OPTIONS", path="/generate", authorization=None, api_key=API, admin_api_key=ADMIN, level=level
+            )
+            is None
+        )
 
 
 @pytest.mark.parametrize(
@@ -85,6 +93,7 @@ def test_options_is_always_open():
     ],
 )
 def test_bearer_header_forms(authorization, passes):
-    decided = decide_auth(method="POST", path="/generate", authorization=authorization, api_key=API,
-                          admin_api_key=None, level=NORMAL)  # fmt: skip
+    decided = decide_auth(
+        method="POST", path="/generate", authorization=authorization, api_key=API, admin_api_key=None, level=NORMAL
+    )
     assert (decided is None) is passes

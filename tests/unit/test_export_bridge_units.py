@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from miles_sync.export.bridge import UnitAssembler, plan_units, trim_vocab_padding, unit_slot
-from miles_sync.plan import AtomicUnit, TensorMeta
+from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 L = "model.layers.3"
 
@@ -54,15 +54,23 @@ def _meta(name: str, shape=(2, 2), dtype=torch.float32) -> TensorMeta:
 def test_plan_orders_members_and_units_by_completion():
     # Bias arrives after the o_proj: the q/k/v unit completes last, with weights before biases.
     arrival = [
-        _meta(f"{L}.self_attn.k_proj.weight"), _meta(f"{L}.self_attn.q_proj.weight"),
-        _meta(f"{L}.self_attn.v_proj.weight"), _meta(f"{L}.self_attn.o_proj.weight"),
-        _meta(f"{L}.self_attn.v_proj.bias"), _meta(f"{L}.self_attn.q_proj.bias"), _meta(f"{L}.self_attn.k_proj.bias"),
+        _meta(f"{L}.self_attn.k_proj.weight"),
+        _meta(f"{L}.self_attn.q_proj.weight"),
+        _meta(f"{L}.self_attn.v_proj.weight"),
+        _meta(f"{L}.self_attn.o_proj.weight"),
+        _meta(f"{L}.self_attn.v_proj.bias"),
+        _meta(f"{L}.self_attn.q_proj.bias"),
+        _meta(f"{L}.self_attn.k_proj.bias"),
     ]
     units = plan_units(arrival)
     assert [u.key for u in units] == [f"{L}.self_attn.o_proj.weight", f"{L}.self_attn.qkv_proj"]
     assert [m.name.split(".")[-2:] for m in units[1].tensors] == [
-        ["q_proj", "weight"], ["k_proj", "weight"], ["v_proj", "weight"],
-        ["q_proj", "bias"], ["k_proj", "bias"], ["v_proj", "bias"],
+        ["q_proj", "weight"],
+        ["k_proj", "weight"],
+        ["v_proj", "weight"],
+        ["q_proj", "bias"],
+        ["k_proj", "bias"],
+        ["v_proj", "bias"],
     ]
 
 
@@ -124,8 +132,15 @@ def _raw_units(arch: str, names: list[str]) -> list[AtomicUnit]:
     """Units the raw converter of `arch` forms for canonical megatron names in model order."""
     from miles_sync.export.raw import create_converter
 
-    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
-                             vocab_size=250, num_hidden_layers=1, tie_word_embeddings=False)
+    config = SimpleNamespace(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        head_dim=16,
+        vocab_size=250,
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+    )
     converter = create_converter(arch, config)
     members: dict[str, list[str]] = {}
     shapes = {"linear_qkv.weight": (128, 64), "linear_qkv.bias": (128,), "linear_fc1.weight": (256, 64)}
@@ -140,10 +155,17 @@ _ATTENTION = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "sel
 _QKV_BIAS = ["self_attention.linear_qkv.bias"]
 _QK_NORM = ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
 _MLP = ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-_MOE = ["pre_mlp_layernorm.weight", "mlp.router.weight", "mlp.experts.0.linear_fc1.weight",
-        "mlp.experts.0.linear_fc2.weight", "mlp.experts.1.linear_fc1.weight", "mlp.experts.1.linear_fc2.weight",
-        "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
-        "mlp.shared_experts.gate_weight"]
+_MOE = [
+    "pre_mlp_layernorm.weight",
+    "mlp.router.weight",
+    "mlp.experts.0.linear_fc1.weight",
+    "mlp.experts.0.linear_fc2.weight",
+    "mlp.experts.1.linear_fc1.weight",
+    "mlp.experts.1.linear_fc2.weight",
+    "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.gate_weight",
+]
 
 
 @pytest.mark.parametrize(
@@ -156,8 +178,12 @@ _MOE = ["pre_mlp_layernorm.weight", "mlp.router.weight", "mlp.experts.0.linear_f
     ],
 )
 def test_units_equal_the_raw_converters_for_any_arrival_order(arch, layer_params):
-    names = ["embedding.word_embeddings.weight", *(f"decoder.layers.0.{p}" for p in layer_params),
-             "decoder.final_layernorm.weight", "output_layer.weight"]
+    names = [
+        "embedding.word_embeddings.weight",
+        *(f"decoder.layers.0.{p}" for p in layer_params),
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    ]
     raw = _raw_units(arch, names)
     hf_names = [m.name for u in raw for m in u.tensors]
     # The bridge emits in its own order; reversed arrival still yields the raw units, member order included.

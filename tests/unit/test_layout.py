@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_sync.layout import (
+from miles_sync.weights.layout import (
     WeightLayout,
     apply_layout,
     can_shuffle,

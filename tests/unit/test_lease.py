@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from miles_sync.lease import LeaseBusyError, LeaseLostError, SyncLease
+from miles_sync.sync.lease import LeaseBusyError, LeaseLostError, SyncLease
 
 
 class ManualClock:

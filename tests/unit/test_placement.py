@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_sync.placement import (
-    ActorRole,
-    PlacementLayout,
-    Resources,
-    plan_placement,
-)
+from miles_sync.job.placement import ActorRole, PlacementLayout, Resources, plan_placement
 
 CPU = Resources(num_cpus=0.01)
 GPU_TRAINER = Resources(num_cpus=1, num_gpus=1)
@@ -33,25 +28,39 @@ def _slots(slots):
         (2, 2, 1, CPU, CPU, [[{"CPU": 0.02}, {"CPU": 0.02}]], [(0, 0, 0), (1, 0, 1)], {0: (0,), 1: (1,)}),
         # One engine spanning 4 GPUs: its actor sits on the bundle of its first TP rank.
         (
-            4, 1, 4, GPU_TRAINER, GPU_ENGINE,
+            4,
+            1,
+            4,
+            GPU_TRAINER,
+            GPU_ENGINE,
             [[{"CPU": 2, "GPU": 1.2}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}]],
-            [(0, 0, 0)], {0: (0,)},
+            [(0, 0, 0)],
+            {0: (0,)},
         ),
         # Two TP-2 engines over four trainer GPUs: engines on bundles 0 and 2.
         (
-            4, 2, 2, GPU_TRAINER, GPU_ENGINE,
+            4,
+            2,
+            2,
+            GPU_TRAINER,
+            GPU_ENGINE,
             [[{"CPU": 2, "GPU": 1.2}, {"CPU": 1, "GPU": 1}, {"CPU": 2, "GPU": 1.2}, {"CPU": 1, "GPU": 1}]],
-            [(0, 0, 0), (1, 0, 2)], {0: (0,), 1: (2,)},
+            [(0, 0, 0), (1, 0, 2)],
+            {0: (0,), 1: (2,)},
         ),
     ],
-)  # fmt: skip
+)
 def test_colocated_plans_share_a_bundle_per_engine(
     num_trainers, num_engines, tp, trainer, engine, bundles, engine_slots, shared
 ):
     plan = plan_placement(
-        layout="colocated", num_trainers=num_trainers, num_engines=num_engines, trainer=trainer, engine=engine,
+        layout="colocated",
+        num_trainers=num_trainers,
+        num_engines=num_engines,
+        trainer=trainer,
+        engine=engine,
         engine_tp_size=tp,
-    )  # fmt: skip
+    )
     assert plan.layout is PlacementLayout.COLOCATED
     assert _bundles(plan) == bundles
     assert _slots(plan.trainers) == [(i, 0, i) for i in range(num_trainers)]
@@ -73,17 +82,27 @@ def test_colocated_plans_share_a_bundle_per_engine(
     "num_trainers, num_engines, trainer, engine, bundles",
     [
         (2, 2, CPU, CPU, [[{"CPU": 0.01}] * 2, [{"CPU": 0.01}] * 2]),
-        (2, 3, TRAIN_POOL, ROLLOUT_POOL, [
-            [{"CPU": 0.01, "trainer_node": 1.0}] * 2, [{"CPU": 0.01, "rollout_node": 1.0}] * 3,
-        ]),
+        (
+            2,
+            3,
+            TRAIN_POOL,
+            ROLLOUT_POOL,
+            [
+                [{"CPU": 0.01, "trainer_node": 1.0}] * 2,
+                [{"CPU": 0.01, "rollout_node": 1.0}] * 3,
+            ],
+        ),
         (8, 1, GPU_TRAINER, Resources(num_cpus=4, num_gpus=8), [[{"CPU": 1, "GPU": 1}] * 8, [{"CPU": 4, "GPU": 8}]]),
     ],
-)  # fmt: skip
+)
 def test_disaggregated_plans_keep_trainers_and_engines_apart(num_trainers, num_engines, trainer, engine, bundles):
     plan = plan_placement(
-        layout=PlacementLayout.DISAGGREGATED, num_trainers=num_trainers, num_engines=num_engines,
-        trainer=trainer, engine=engine,
-    )  # fmt: skip
+        layout=PlacementLayout.DISAGGREGATED,
+        num_trainers=num_trainers,
+        num_engines=num_engines,
+        trainer=trainer,
+        engine=engine,
+    )
     assert [g.name for g in plan.groups] == ["trainers", "engines"]
     assert [g.strategy for g in plan.groups] == ["PACK", "PACK"]
     assert _bundles(plan) == bundles

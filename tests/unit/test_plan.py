@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_sync.bucket import layout_from_metadata
-from miles_sync.plan import AtomicUnit, BucketPlan, PlanSummary, TensorMeta, plan_buckets, plan_summary
+from miles_sync.sync.plan import BucketPlan, plan_buckets
+from miles_sync.wire.bucket import AtomicUnit, TensorMeta, aligned_order, layout_from_metadata
 
 
 def unit(key: str, *sizes: int, dtype: torch.dtype = torch.uint8) -> AtomicUnit:
@@ -63,7 +63,7 @@ def test_unit_bytes_count_every_tensor_and_dtype():
     assert keys(list(plan_buckets([qkv, scale], cap_bytes=68))) == [["layers.0.qkv", "scale"]]
 
 
-def test_tensor_order_is_aligned_and_accepted_by_the_receiver():
+def test_wire_order_of_a_bucket_is_aligned_and_accepted_by_the_receiver():
     mixed = AtomicUnit(
         key="mixed",
         tensors=(
@@ -73,7 +73,7 @@ def test_tensor_order_is_aligned_and_accepted_by_the_receiver():
         ),
     )
     (plan,) = plan_buckets([mixed, unit("x", 1, dtype=torch.int64)], cap_bytes=1 << 20)
-    order = plan.tensor_order()
+    order = aligned_order([t for u in plan.units for t in u.tensors])
     assert [t.name for t in order] == ["x.0", "s", "b", "w"]
     entries = layout_from_metadata(
         names=[t.name for t in order], dtypes=[t.dtype for t in order], shapes=[t.shape for t in order]
@@ -101,14 +101,6 @@ def test_lazy_on_an_unbounded_stream():
     assert [u.key for u in first.units] == ["u0", "u1"]
     assert pulled == [0, 1, 2]  # the unit that closed the bucket, no more
     assert keys(list(itertools.islice(plans, 2))) == [["u2", "u3"], ["u4", "u5"]]
-
-
-def test_plan_summary():
-    plans = list(plan_buckets([unit("a", 3, 3), unit("b", 5), unit("c", 20)], cap_bytes=11))
-    assert plan_summary(plans) == PlanSummary(
-        num_buckets=2, num_units=3, num_tensors=4, num_bytes=31, max_bucket_bytes=20
-    )
-    assert plan_summary([]) == PlanSummary(num_buckets=0, num_units=0, num_tensors=0, num_bytes=0, max_bucket_bytes=0)
 
 
 units_strategy = st.lists(

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_sync import protocol as p
+from miles_sync.wire import protocol as p
 
 # One non-default instance per record, so a round trip exercises every field with a value that differs from its
 # default (a field that encode forgot, or decode dropped, shows up as an inequality).
@@ -65,12 +65,26 @@ SAMPLES: dict[type, object] = {
                 per_gpu_checksum="ef56",
                 parallelism_info=(
                     p.ParallelismInfo(
-                        role=p.Role.TARGET, tp_rank=1, tp_size=2, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1,
-                        rank=1, size=2,
+                        role=p.Role.TARGET,
+                        tp_rank=1,
+                        tp_size=2,
+                        dp_rank=0,
+                        dp_size=1,
+                        pp_rank=0,
+                        pp_size=1,
+                        rank=1,
+                        size=2,
                     ),
                     p.ParallelismInfo(
-                        role=p.Role.DRAFT, tp_rank=1, tp_size=2, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1,
-                        rank=1, size=2,
+                        role=p.Role.DRAFT,
+                        tp_rank=1,
+                        tp_size=2,
+                        dp_rank=0,
+                        dp_size=1,
+                        pp_rank=0,
+                        pp_size=1,
+                        rank=1,
+                        size=2,
                     ),
                 ),
             ),
@@ -98,7 +112,11 @@ SAMPLES: dict[type, object] = {
         meta_info=p.GenerateMetaInfo(prompt_tokens=1, completion_tokens=2, weight_version="0"),
     ),
     p.ModelInfo: p.ModelInfo(
-        model_path="/ckpt", weight_version="3", tokenizer_path="/tok", is_generation=False, model_type="qwen2",
+        model_path="/ckpt",
+        weight_version="3",
+        tokenizer_path="/tok",
+        is_generation=False,
+        model_type="qwen2",
         architectures=("Qwen2ForCausalLM",),
     ),
 }

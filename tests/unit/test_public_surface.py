@@ -10,29 +10,79 @@ import dataclasses
 import typing
 from enum import Enum
 
-from miles_sync import codec, config, protocol, selector
-from miles_sync.codec import encode
+from miles_sync import config
+from miles_sync.engine import kinds, settings
+from miles_sync.export import registry
+from miles_sync.sync import selector
+from miles_sync.transport import base as transport
+from miles_sync.weights import layout
+from miles_sync.wire import codec, draft, protocol
+from miles_sync.wire.codec import encode
 
 REQUIRED = "<required>"
 
 PROTOCOL_ALL = {
-    "ALWAYS_OPEN_PREFIXES", "DEFAULT_GROUP_NAME", "ENDPOINTS", "NORMAL_PATHS", "QUERY_ENDPOINTS", "RESPONSES",
-    "BeginWeightUpdateRequest", "ChecksumNames", "ContinueGenerationRequest", "DestroyWeightsUpdateGroupRequest",
-    "EndWeightUpdateRequest", "FinishReason", "FinishReasonKind", "FlushCacheRequest", "FlushCacheResult",
-    "GenerateMetaInfo", "GenerateRequest", "GenerateResponse", "GenerationControlResult",
-    "InitWeightsUpdateGroupRequest", "LoadFormat", "ModelInfo", "ParallelismInfo", "PauseGenerationRequest",
-    "PauseMode", "RankChecksums", "Role", "SamplingParams", "Selector", "UpdateWeightVersionRequest",
-    "UpdateWeightsFromDistributedRequest", "UpdateWeightsFromTensorRequest", "WeightUpdateResult",
-    "WeightVersionResult", "WeightsCheckerAction", "WeightsCheckerRequest", "WeightsCheckerResult", "WireEnum",
-    "checksum_role", "decode", "dtype_from_wire", "dtype_to_wire", "encode", "role_kind", "selector_roles",
-}  # fmt: skip
-SELECTOR_ALL = {
-    "ConversionMode", "DraftKind", "DraftReport", "SelectorMode", "resolve_selector", "weight_update_selector",
-}  # fmt: skip
+    "ALWAYS_OPEN_PREFIXES",
+    "DEFAULT_GROUP_NAME",
+    "ENDPOINTS",
+    "NORMAL_PATHS",
+    "QUERY_ENDPOINTS",
+    "RESPONSES",
+    "BeginWeightUpdateRequest",
+    "ChecksumNames",
+    "ContinueGenerationRequest",
+    "DestroyWeightsUpdateGroupRequest",
+    "EndWeightUpdateRequest",
+    "FinishReason",
+    "FinishReasonKind",
+    "FlushCacheRequest",
+    "FlushCacheResult",
+    "GenerateMetaInfo",
+    "GenerateRequest",
+    "GenerateResponse",
+    "GenerationControlResult",
+    "InitWeightsUpdateGroupRequest",
+    "LoadFormat",
+    "ModelInfo",
+    "ParallelismInfo",
+    "PauseGenerationRequest",
+    "PauseMode",
+    "RankChecksums",
+    "Role",
+    "SamplingParams",
+    "Selector",
+    "UpdateWeightVersionRequest",
+    "UpdateWeightsFromDistributedRequest",
+    "UpdateWeightsFromTensorRequest",
+    "WeightUpdateResult",
+    "WeightVersionResult",
+    "WeightsCheckerAction",
+    "WeightsCheckerRequest",
+    "WeightsCheckerResult",
+    "WireEnum",
+    "checksum_role",
+    "decode",
+    "dtype_from_wire",
+    "dtype_to_wire",
+    "encode",
+    "role_kind",
+    "selector_roles",
+}
+SELECTOR_ALL = {"SelectorMode", "resolve_selector", "weight_update_selector"}
+DRAFT_ALL = {"DraftKind", "DraftReport"}
 CONFIG_ALL = {
-    "DEFAULT_CONFIG_DIR", "ClusterConfig", "EngineConfig", "EngineKind", "FinalizePolicy", "MilesSyncConfig",
-    "ModelConfig", "RolloutConfig", "SyncConfig", "TrainerConfig", "Transport", "WeightLayout", "load_config", "to_config", "to_yaml",
-}  # fmt: skip
+    "DEFAULT_CONFIG_DIR",
+    "ClusterConfig",
+    "EngineConfig",
+    "MilesSyncConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "SyncConfig",
+    "TrainerConfig",
+    "load_config",
+    "to_config",
+    "to_yaml",
+}
 CODEC_ALL = {"decode", "encode"}
 
 ENDPOINTS = {
@@ -213,26 +263,41 @@ ENUMS = {
     protocol.LoadFormat: ["direct", "flattened_bucket"],
     protocol.WeightsCheckerAction: ["snapshot", "reset_tensors", "compare", "checksum"],
     protocol.FinishReasonKind: ["length", "stop", "abort"],
-    selector.DraftKind: ["none", "standalone", "mtp", "ngram"],
-    selector.ConversionMode: ["raw", "bridge"],
+    draft.DraftKind: ["none", "standalone", "mtp", "ngram"],
+    registry.ConversionMode: ["raw", "bridge"],
     selector.SelectorMode: ["auto", "target", "draft", "all"],
-    config.Transport: ["distributed", "colocated"],
-    config.EngineKind: ["reference", "sglang"],
-    config.WeightLayout: ["none", "aiter"],
-    config.FinalizePolicy: ["strict", "sglang"],
+    transport.TransportKind: ["distributed", "colocated"],
+    kinds.EngineKind: ["reference", "sglang"],
+    layout.WeightLayout: ["none", "aiter"],
+    settings.FinalizePolicy: ["strict", "sglang"],
 }
 
 CONFIG_FIELDS = {
     "model": {"arch": None, "checkpoint_dir": None, "speculative_algorithm": None, "num_trained_mtp_layers": None},
     "trainer": {"tp": None, "pp": None, "dp": None, "ep": None, "lr": None},
     "engines": {
-        "count": None, "kind": None, "urls": None, "weight_layout": None, "finalize_policy": None,
-        "draft_kind": None, "spec_steps": None, "api_key": None, "admin_api_key": None,
+        "count": None,
+        "kind": None,
+        "urls": None,
+        "weight_layout": None,
+        "finalize_policy": None,
+        "draft_kind": None,
+        "spec_steps": None,
+        "api_key": None,
+        "admin_api_key": None,
     },
     "sync": {
-        "transport": None, "conversion": None, "bucket_bytes": None, "selector": None, "pause_mode": None,
-        "verify": None, "http_timeout_s": None, "collective_timeout_s": None, "sync_timeout_s": None,
-        "check_selector": None, "staged": None,
+        "transport": None,
+        "conversion": None,
+        "bucket_bytes": None,
+        "selector": None,
+        "pause_mode": None,
+        "verify": None,
+        "http_timeout_s": None,
+        "collective_timeout_s": None,
+        "sync_timeout_s": None,
+        "check_selector": None,
+        "staged": None,
     },
     "cluster": {"address": None, "num_cpus": None},
     "rollout": {"num_prompts": None, "prompt_length": None, "max_new_tokens": None, "temperature": None},
@@ -240,11 +305,17 @@ CONFIG_FIELDS = {
     "num_rounds": None,
     "run_name": None,
     "output_dir": None,
-}  # fmt: skip
+}
 
 
 def test_module_all():
-    tables = ((protocol, PROTOCOL_ALL), (selector, SELECTOR_ALL), (config, CONFIG_ALL), (codec, CODEC_ALL))
+    tables = (
+        (protocol, PROTOCOL_ALL),
+        (selector, SELECTOR_ALL),
+        (draft, DRAFT_ALL),
+        (config, CONFIG_ALL),
+        (codec, CODEC_ALL),
+    )
     for module, expected in tables:
         assert set(module.__all__) == expected, module.__name__
         assert len(module.__all__) == len(expected), f"{module.__name__}.__all__ repeats a name"
@@ -266,7 +337,7 @@ def test_wire_schema():
 
 
 def test_draft_report_schema():
-    assert _schema_of(selector.DraftReport) == [
+    assert _schema_of(draft.DraftReport) == [
         ("kind", "DraftKind", REQUIRED),
         ("owned_names", "tuple[str, ...]", ()),
         ("is_frozen", "bool", False),

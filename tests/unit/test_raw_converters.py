@@ -9,21 +9,27 @@ import torch
 
 from miles_sync.export import layouts
 from miles_sync.export.converter import Layout, TensorMapping
-from miles_sync.export.harness import ParityCase
-from miles_sync.export.model_builder import padded_vocab_size, transformer_config_from_hf
-from miles_sync.export.parity import ParityResult, first_difference, split_mtp
 from miles_sync.export.raw import SUPPORTED_ARCHS, create_converter
 from miles_sync.export.stage import LocalParam, ParallelLayout, collect_local_params, plan_local_params, plan_units
 from miles_sync.export.units import ExportedUnit
-from miles_sync.plan import AtomicUnit, TensorMeta
+from miles_sync.megatron.model_builder import padded_vocab_size, transformer_config_from_hf
+from miles_sync.parity.cli import ParityResult, first_difference, split_mtp
+from miles_sync.parity.harness import ParityCase
+from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 ATTENTION = layouts.AttentionDims(num_query_groups=2, heads_per_group=2, head_dim=4)  # 4 q heads, 2 kv heads
 
 
 def hf_config(**overrides):
     fields = dict(
-        model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, hidden_size=8, head_dim=4,
-        vocab_size=10, num_hidden_layers=2, tie_word_embeddings=False,
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=8,
+        head_dim=4,
+        vocab_size=10,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
     )
     fields.update(overrides)
     return types.SimpleNamespace(**fields)
@@ -32,7 +38,11 @@ def hf_config(**overrides):
 def mapping(layout: Layout, megatron_shape: tuple[int, ...], hf_names: tuple[str, ...], *, vocab_size: int = 10):
     shapes = layouts.hf_shapes(layout, megatron_shape, attention=ATTENTION, vocab_size=vocab_size)
     return TensorMapping(
-        megatron_name="x", megatron_shape=megatron_shape, unit_key="u", layout=layout, hf_names=hf_names,
+        megatron_name="x",
+        megatron_shape=megatron_shape,
+        unit_key="u",
+        layout=layout,
+        hf_names=hf_names,
         hf_shapes=shapes,
     )
 
@@ -136,20 +146,46 @@ def test_import_then_export_is_bit_exact(layout, megatron_shape, partition_dim, 
 QWEN2_NAMES = [
     ("embedding.word_embeddings.weight", (16, 8), ("model.embed_tokens.weight",), "model.embed_tokens.weight"),
     ("decoder.layers.1.input_layernorm.weight", (8,), ("model.layers.1.input_layernorm.weight",), None),
-    ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", (8,),
-     ("model.layers.1.input_layernorm.weight",), None),
-    ("decoder.layers.0.self_attention.linear_qkv.weight", (32, 8),
-     ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-      "model.layers.0.self_attn.v_proj.weight"), "model.layers.0.self_attn.qkv_proj"),
-    ("decoder.layers.0.self_attention.linear_qkv.bias", (32,),
-     ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
-      "model.layers.0.self_attn.v_proj.bias"), "model.layers.0.self_attn.qkv_proj"),
+    (
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+        (8,),
+        ("model.layers.1.input_layernorm.weight",),
+        None,
+    ),
+    (
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        (32, 8),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+        ),
+        "model.layers.0.self_attn.qkv_proj",
+    ),
+    (
+        "decoder.layers.0.self_attention.linear_qkv.bias",
+        (32,),
+        (
+            "model.layers.0.self_attn.q_proj.bias",
+            "model.layers.0.self_attn.k_proj.bias",
+            "model.layers.0.self_attn.v_proj.bias",
+        ),
+        "model.layers.0.self_attn.qkv_proj",
+    ),
     ("decoder.layers.0.self_attention.linear_proj.weight", (8, 16), ("model.layers.0.self_attn.o_proj.weight",), None),
     ("decoder.layers.0.pre_mlp_layernorm.weight", (8,), ("model.layers.0.post_attention_layernorm.weight",), None),
-    ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", (8,), ("model.layers.0.post_attention_layernorm.weight",),
-     None),
-    ("decoder.layers.0.mlp.linear_fc1.weight", (32, 8),
-     ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"), "model.layers.0.mlp.gate_up_proj"),
+    (
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+        (8,),
+        ("model.layers.0.post_attention_layernorm.weight",),
+        None,
+    ),
+    (
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        (32, 8),
+        ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+        "model.layers.0.mlp.gate_up_proj",
+    ),
     ("decoder.layers.0.mlp.linear_fc2.weight", (8, 16), ("model.layers.0.mlp.down_proj.weight",), None),
     ("decoder.final_layernorm.weight", (8,), ("model.norm.weight",), None),
     ("output_layer.weight", (16, 8), ("lm_head.weight",), None),
@@ -158,8 +194,12 @@ QWEN2_NAMES = [
     ("mtp.layers.0.hnorm.weight", (8,), ("model.layers.2.hnorm.weight",), None),
     ("mtp.layers.0.eh_proj.weight", (8, 16), ("model.layers.2.eh_proj.weight",), None),
     ("mtp.layers.1.final_layernorm.weight", (8,), ("model.layers.3.shared_head.norm.weight",), None),
-    ("mtp.layers.1.transformer_layer.self_attention.linear_proj.weight", (8, 16),
-     ("model.layers.3.self_attn.o_proj.weight",), None),
+    (
+        "mtp.layers.1.transformer_layer.self_attention.linear_proj.weight",
+        (8, 16),
+        ("model.layers.3.self_attn.o_proj.weight",),
+        None,
+    ),
 ]
 
 
@@ -174,7 +214,10 @@ def test_qwen2_names(name, shape, hf_names, unit) -> None:
 def test_hf_shapes_follow_the_layout() -> None:
     converter = create_converter("qwen2", hf_config())
     assert converter.map_param("decoder.layers.0.self_attention.linear_qkv.weight", (32, 8)).hf_shapes == (
-        (16, 8), (8, 8), (8, 8))
+        (16, 8),
+        (8, 8),
+        (8, 8),
+    )
     assert converter.map_param("embedding.word_embeddings.weight", (16, 8)).hf_shapes == ((10, 8),)
     assert converter.map_param("decoder.layers.0.mlp.linear_fc1.weight", (32, 8)).hf_shapes == ((16, 8), (16, 8))
 
@@ -183,7 +226,8 @@ def test_family_specific_tensors() -> None:
     qk_norm = "decoder.layers.0.self_attention.q_layernorm.weight"
     bias = "decoder.layers.0.self_attention.linear_qkv.bias"
     assert create_converter("qwen3", hf_config()).map_param(qk_norm, (4,)).hf_names == (
-        "model.layers.0.self_attn.q_norm.weight",)
+        "model.layers.0.self_attn.q_norm.weight",
+    )
     for arch, name in (("llama", bias), ("llama", qk_norm), ("qwen2", qk_norm), ("qwen3", bias)):
         with pytest.raises(ValueError, match=name.replace(".", r"\.")):
             create_converter(arch, hf_config()).map_param(name, (4,))
@@ -196,7 +240,10 @@ def test_moe_names() -> None:
     fc2 = converter.map_param("decoder.layers.1.mlp.experts.3.linear_fc2.weight", (8, 4))
     shared = converter.map_param("decoder.layers.1.mlp.shared_experts.gate_weight", (1, 8))
     assert router.hf_names == ("model.layers.1.mlp.gate.weight",)
-    assert fc1.hf_names == ("model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
+    assert fc1.hf_names == (
+        "model.layers.1.mlp.experts.3.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+    )
     assert fc2.hf_names == ("model.layers.1.mlp.experts.3.down_proj.weight",)
     assert fc1.unit_key == fc2.unit_key == "model.layers.1.mlp.experts.3"
     assert shared.hf_names == ("model.layers.1.mlp.shared_expert_gate.weight",)
@@ -222,8 +269,9 @@ def test_unsupported_arch_names_it_and_the_supported_list() -> None:
 
 
 def layout(**overrides) -> ParallelLayout:
-    fields = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, ep_rank=0, ep_size=1, etp_rank=0, etp_size=1,
-                  dp_rank=0, edp_rank=0)
+    fields = dict(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, ep_rank=0, ep_size=1, etp_rank=0, etp_size=1, dp_rank=0, edp_rank=0
+    )
     fields.update(overrides)
     return ParallelLayout(**fields)
 
@@ -281,7 +329,9 @@ def test_canonical_names_use_global_layers_and_expert_placeholders() -> None:
     assert by_local["mtp.layers.0.enorm.weight"].canonical == "mtp.layers.0.enorm.weight"
     assert by_local["embedding.word_embeddings.weight"].is_stage_copy  # this stage is not the first
     grouped = collect_local_params([stage_model(first_layer_number=2, num_local_experts=2, grouped=True)])
-    assert [r.canonical for r in grouped if r.is_expert] == ["decoder.layers.1.mlp.experts.{expert}.linear_fc1.weight"] * 2
+    assert [r.canonical for r in grouped if r.is_expert] == [
+        "decoder.layers.1.mlp.experts.{expert}.linear_fc1.weight"
+    ] * 2
     assert [r.local_expert for r in grouped if r.is_expert] == [0, 1]
 
 
@@ -294,29 +344,42 @@ def test_experts_expand_to_every_ep_rank_in_global_id_order() -> None:
     assert [u.owner_ep_rank for u in experts] == [0, 0, 1, 1]
     # ETP=2: fc1 [8, 8] shards (dim 0) make gate and up of 8 rows each; fc2 [8, 4] shards (dim 1) make down [8, 8].
     assert [(m.name.rsplit(".", 2)[-2], m.shape) for m in experts[2].meta.tensors] == [
-        ("gate_proj", (8, 8)), ("up_proj", (8, 8)), ("down_proj", (8, 8))]
+        ("gate_proj", (8, 8)),
+        ("up_proj", (8, 8)),
+        ("down_proj", (8, 8)),
+    ]
     keys = [u.meta.key for u in units]
     assert "model.embed_tokens.weight" not in keys  # a later stage's embedding copy is not exported twice
     assert keys[-1] == "model.layers.1.enorm.weight"
     # Import fills this rank's own experts (global ids 2 and 3) and the embedding copy too.
     local = plan_local_params(records, converter=converter, layout=layout(ep_rank=1, ep_size=2, etp_size=2))
     assert {p.mapping.megatron_name for p in local if p.param.is_expert} == {
-        f"decoder.layers.0.mlp.experts.{e}.linear_fc{i}.weight" for e in (2, 3) for i in (1, 2)}
+        f"decoder.layers.0.mlp.experts.{e}.linear_fc{i}.weight" for e in (2, 3) for i in (1, 2)
+    }
     assert "embedding.word_embeddings.weight" in {p.mapping.megatron_name for p in local}
 
 
 def test_qkv_weight_and_bias_form_one_unit() -> None:
     records = [
         LocalParam(chunk=0, local_name=n, canonical=n, shape=s, dtype=torch.bfloat16, partition_dim=0)
-        for n, s in (("decoder.layers.0.self_attention.linear_qkv.weight", (16, 8)),
-                     ("decoder.layers.0.self_attention.linear_qkv.bias", (16,)))
+        for n, s in (
+            ("decoder.layers.0.self_attention.linear_qkv.weight", (16, 8)),
+            ("decoder.layers.0.self_attention.linear_qkv.bias", (16,)),
+        )
     ]
     (unit,) = plan_units(records, converter=create_converter("qwen2", hf_config()), layout=layout(tp_size=2))
     assert unit.meta.key == "model.layers.0.self_attn.qkv_proj"
     assert [m.name.split("self_attn.")[1] for m in unit.meta.tensors] == [
-        "q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"]
-    assert unit.meta.tensors[0] == TensorMeta(name="model.layers.0.self_attn.q_proj.weight", shape=(16, 8),
-                                              dtype=torch.bfloat16)
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "q_proj.bias",
+        "k_proj.bias",
+        "v_proj.bias",
+    ]
+    assert unit.meta.tensors[0] == TensorMeta(
+        name="model.layers.0.self_attn.q_proj.weight", shape=(16, 8), dtype=torch.bfloat16
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,15 +387,17 @@ def test_qkv_weight_and_bias_form_one_unit() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vocab, tp, padded", [(250, 1, 256), (256, 1, 256), (250, 2, 256), (257, 2, 512),
-                                               (151936, 4, 152064)])
+@pytest.mark.parametrize(
+    "vocab, tp, padded", [(250, 1, 256), (256, 1, 256), (250, 2, 256), (257, 2, 512), (151936, 4, 152064)]
+)
 def test_padded_vocab_size(vocab, tp, padded) -> None:
     assert padded_vocab_size(vocab, tp_size=tp) == padded
 
 
 def test_builder_names_every_unsupported_setting() -> None:
-    config = hf_config(model_type="llama", hidden_act="gelu", attention_bias=True,
-                       rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    config = hf_config(
+        model_type="llama", hidden_act="gelu", attention_bias=True, rope_scaling={"rope_type": "yarn", "factor": 4.0}
+    )
     with pytest.raises(ValueError) as info:
         transformer_config_from_hf(config)
     message = str(info.value)

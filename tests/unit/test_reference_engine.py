@@ -15,13 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_sync.checksum import role_checksums
 from miles_sync.engine.reference.engine import FinalizePolicy, ReferenceEngine
 from miles_sync.engine.reference.runner import load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.weights_checker import WeightsChecker
-from miles_sync.layout import shuffle_weight, unshuffle_weight
-from miles_sync.protocol import (
+from miles_sync.weights.checksum import role_checksums
+from miles_sync.weights.layout import shuffle_weight, unshuffle_weight
+from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.payload import encode_named_tensors
+from miles_sync.wire.protocol import (
     BeginWeightUpdateRequest,
     ChecksumNames,
     ContinueGenerationRequest,
@@ -38,8 +40,6 @@ from miles_sync.protocol import (
     WeightsCheckerAction,
     WeightsCheckerRequest,
 )
-from miles_sync.selector import DraftKind
-from miles_sync.tensor_payload import encode_named_tensors
 
 END = EndWeightUpdateRequest()
 
@@ -49,9 +49,13 @@ def make_engine(reference_checkpoints) -> Iterator:
     engines: list[ReferenceEngine] = []
 
     def make(
-        *, draft_kind: str = "mtp", layout: str = "aiter", policy: str = "strict", checksum_names: str = "hf",
+        *,
+        draft_kind: str = "mtp",
+        layout: str = "aiter",
+        policy: str = "strict",
+        checksum_names: str = "hf",
         draft_role: str = "draft",
-    ) -> ReferenceEngine:  # fmt: skip
+    ) -> ReferenceEngine:
         draft_path = reference_checkpoints / "draft" if draft_kind == "standalone" else None
         target, draft = load_runners(
             reference_checkpoints / "target", draft_kind=draft_kind, draft_path=draft_path, layout=layout
@@ -447,8 +451,10 @@ def test_engine_checksum_names_answer_what_sglang_would(make_engine, reference_c
 
     def physical(runner) -> dict[str, torch.Tensor]:
         # The bytes SGLang hashes: after post-processing, i.e. AITER-shuffled where the layout shuffles.
-        return {n: shuffle_weight(checkpoint[n]) if n in runner.shuffled_names() else checkpoint[n]
-                for n in runner.owned_names()}  # fmt: skip
+        return {
+            n: shuffle_weight(checkpoint[n]) if n in runner.shuffled_names() else checkpoint[n]
+            for n in runner.owned_names()
+        }
 
     assert target.shuffled_names()  # the test must cover hashing of shuffled bytes
     expected = _sglang_expected(physical(target), prefix="")

@@ -16,9 +16,9 @@ from miles_sync.engine.reference.runner import (
     load_standalone_runner,
     load_target_runner,
 )
-from miles_sync.layout import WeightLayout, shuffle_weight
-from miles_sync.plan import TensorMeta
-from miles_sync.protocol import Role
+from miles_sync.weights.layout import WeightLayout, shuffle_weight
+from miles_sync.wire.bucket import TensorMeta
+from miles_sync.wire.protocol import Role
 
 
 @pytest.fixture(autouse=True)
@@ -34,12 +34,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     recipe = CheckpointRecipe(
         language=LanguageRecipe(vocab_size=64),
         target=ModelShape(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
             head_dim=16,
         ),
         # A different width from the target: target tensors selected into it must conflict by shape.
         draft=ModelShape(
-            hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=3,
+            num_key_value_heads=1,
             head_dim=16,
         ),
         target_steps=2,

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from miles_sync.protocol import Selector
-from miles_sync.report import (
+from miles_sync.sync.report import (
     BucketProgress,
     EngineResult,
     PhaseTimes,
@@ -17,6 +16,7 @@ from miles_sync.report import (
     decode_report,
     encode_report,
 )
+from miles_sync.wire.protocol import Selector
 
 
 def report(**changes) -> SyncReport:
@@ -32,12 +32,13 @@ def report(**changes) -> SyncReport:
         phases=PhaseTimes(pause_s=0.25, export_s=0.5, send_s=1.5, finalize_s=0.125, verify_s=0.0625, resume_s=0.03125),
         total_s=2.5,
         engines=(
-            EngineResult(url="http://127.0.0.1:1", success=True, is_stale=False, num_verified_tensors=321,
-                         weight_version="7"),
+            EngineResult(
+                url="http://127.0.0.1:1", success=True, is_stale=False, num_verified_tensors=321, weight_version="7"
+            ),
             EngineResult(url="http://127.0.0.1:2", success=False, is_stale=True, message="end: runner loaded nothing"),
         ),
         error=None,
-    )  # fmt: skip
+    )
     values.update(changes)
     return SyncReport(**values)
 
@@ -69,8 +70,17 @@ def test_derived_figures():
 def test_summary_names_outcome_version_and_phases():
     line = report().summary()
     assert line.startswith("sync v7 committed (verification: off): ")
-    for word in ("12 buckets", "321 tensors", "selector target", "distributed", "2.00 GB/s", "pause 0.250s",
-                 "send 1.500s", "verify 0.062s", "total 2.500s"):  # fmt: skip
+    for word in (
+        "12 buckets",
+        "321 tensors",
+        "selector target",
+        "distributed",
+        "2.00 GB/s",
+        "pause 0.250s",
+        "send 1.500s",
+        "verify 0.062s",
+        "total 2.500s",
+    ):
         assert word in line, (word, line)
     failed = report(committed=False, error="verification failed on http://x").summary()
     assert "FAILED (verification failed on http://x)" in failed

@@ -11,16 +11,11 @@ import json
 
 import pytest
 
-from miles_sync import protocol
-from miles_sync.protocol import Selector
-from miles_sync.selector import (
-    ConversionMode,
-    DraftKind,
-    DraftReport,
-    SelectorMode,
-    resolve_selector,
-    weight_update_selector,
-)
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.selector import SelectorMode, resolve_selector, weight_update_selector
+from miles_sync.wire import protocol
+from miles_sync.wire.draft import DraftKind, DraftReport
+from miles_sync.wire.protocol import Selector
 
 DRAFT_NAMES = ("model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.hnorm.weight", "x")
 ALGORITHMS = [None, "EAGLE", "NGRAM"]

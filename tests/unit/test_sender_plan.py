@@ -10,13 +10,9 @@ import threading
 import pytest
 import torch
 
-from miles_sync.bucket import layout_from_metadata, pack_bucket
-from miles_sync.checksum import tensor_checksum
 from miles_sync.export.units import ExportedUnit
-from miles_sync.plan import AtomicUnit, TensorMeta
-from miles_sync.protocol import LoadFormat, RankChecksums, Selector
-from miles_sync.sender import DoubleBuffer, Sender, pair_with_plans
-from miles_sync.verify import checksum_problems
+from miles_sync.sync.sender import DoubleBuffer, Sender, pair_with_plans
+from miles_sync.sync.verify import checksum_problems
 from miles_sync.transport.base import (
     TRANSPORTS,
     EngineEndpoint,
@@ -29,6 +25,9 @@ from miles_sync.transport.base import (
 )
 from miles_sync.transport.colocated import flattened_metadata
 from miles_sync.transport.distributed import bucket_request
+from miles_sync.weights.checksum import tensor_checksum
+from miles_sync.wire.bucket import AtomicUnit, TensorMeta, layout_from_metadata, pack_bucket
+from miles_sync.wire.protocol import LoadFormat, RankChecksums, Selector
 
 # ---- units -----------------------------------------------------------------------------------------------------
 
@@ -167,9 +166,13 @@ def test_membership_validation_names_every_problem():
     with pytest.raises(ValueError, match="at least one engine"):
         plan_membership(engines=[], group_name="g", backend="gloo", master_address="127.0.0.1")
     membership = GroupMembership(
-        group_name="g", backend="gloo", master_address="127.0.0.1", master_port=1, world_size=2,
+        group_name="g",
+        backend="gloo",
+        master_address="127.0.0.1",
+        master_port=1,
+        world_size=2,
         engines=(EngineRanks(url="http://a", rank_offset=1, tp_size=1),),
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match="http://z is not a member of update group 'g'"):
         membership.init_request("http://z")
 
@@ -296,10 +299,15 @@ def make_sender(units, *, transport="recording", bucket_bytes=400, on_pull=None,
             yield u
 
     return Sender(
-        transport=transport, export=export, names=lambda: [m.name for u in units for m in u.meta.tensors],
-        bucket_bytes=bucket_bytes, bucket_timeout_s=5.0, open_timeout_s=5.0, http_timeout_s=5.0,
+        transport=transport,
+        export=export,
+        names=lambda: [m.name for u in units for m in u.meta.tensors],
+        bucket_bytes=bucket_bytes,
+        bucket_timeout_s=5.0,
+        open_timeout_s=5.0,
+        http_timeout_s=5.0,
         hash_buckets=hash_buckets,
-    )  # fmt: skip
+    )
 
 
 ENGINES = [EngineEndpoint(url="http://127.0.0.1:1", tp_size=1)]
@@ -435,8 +443,15 @@ def test_non_source_rank_only_consumes_the_stream():
 
 def test_sender_validates_its_arguments():
     with pytest.raises(ValueError) as error:
-        Sender(transport="pigeon", export=list, names=list, bucket_bytes=0, bucket_timeout_s=0,
-               open_timeout_s=1, http_timeout_s=-1)  # fmt: skip
+        Sender(
+            transport="pigeon",
+            export=list,
+            names=list,
+            bucket_bytes=0,
+            bucket_timeout_s=0,
+            open_timeout_s=1,
+            http_timeout_s=-1,
+        )
     message = str(error.value)
     for part in ("transport='pigeon'", "bucket_bytes=0", "bucket_timeout_s=0", "http_timeout_s=-1"):
         assert part in message

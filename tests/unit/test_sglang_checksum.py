@@ -1,4 +1,5 @@
-"""SGLang's checker arithmetic (miles_sync.checksum.sglang_*), against values written out from SGLang's source."""
+"""SGLang's checker arithmetic (miles_sync.weights.checksum.sglang_*), against values written out from SGLang's
+source."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import hashlib
 
 import torch
 
-from miles_sync.checksum import (
+from miles_sync.weights.checksum import (
     sglang_engine_checksum,
     sglang_overall_checksum,
     sglang_parameter_names,
@@ -17,18 +18,27 @@ from miles_sync.checksum import (
 
 def test_parameter_names_fuse_qkv_and_gate_up_only_when_every_part_is_there():
     names = [
-        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-        "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.bias",
-        "model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.v_proj.bias",
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-        "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",  # no v: not fused
-        "model.layers.0.self_attn.o_proj.weight", "lm_head.weight", "xself_attn.q_proj.weight",
-    ]  # fmt: skip
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.k_proj.bias",
+        "model.layers.0.self_attn.v_proj.bias",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",  # no v: not fused
+        "model.layers.0.self_attn.o_proj.weight",
+        "lm_head.weight",
+        "xself_attn.q_proj.weight",
+    ]
     assert sglang_parameter_names(names) == {
         "model.layers.0.self_attn.qkv_proj.weight": tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"),
         "model.layers.0.self_attn.qkv_proj.bias": tuple(f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"),
-        "model.layers.0.mlp.gate_up_proj.weight": ("model.layers.0.mlp.gate_proj.weight",
-                                                   "model.layers.0.mlp.up_proj.weight"),  # fmt: skip
+        "model.layers.0.mlp.gate_up_proj.weight": (
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.mlp.up_proj.weight",
+        ),
         "model.layers.1.self_attn.q_proj.weight": ("model.layers.1.self_attn.q_proj.weight",),
         "model.layers.1.self_attn.k_proj.weight": ("model.layers.1.self_attn.k_proj.weight",),
         "model.layers.0.self_attn.o_proj.weight": ("model.layers.0.self_attn.o_proj.weight",),

@@ -17,13 +17,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_sync import tensor_payload as tp
-from miles_sync.bucket import pack_bucket
-from miles_sync.tensor_payload import FlattenedTensorMetadata, PayloadError, decode_payload
+from miles_sync.wire import payload as tp
+from miles_sync.wire.bucket import pack_bucket
+from miles_sync.wire.payload import FlattenedTensorMetadata, PayloadError, decode_payload
 
 DTYPES = [
-    torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.int32, torch.int64, torch.bool
-]  # fmt: skip
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -79,9 +86,7 @@ def test_named_tensors_round_trip_bit_exact(dtype):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    specs=st.lists(
-        st.tuples(st.lists(st.integers(0, 5), max_size=3), st.sampled_from(DTYPES)), min_size=1, max_size=6
-    ),
+    specs=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=3), st.sampled_from(DTYPES)), min_size=1, max_size=6),
     seed=st.integers(0, 2**16),
 )
 def test_flattened_bucket_round_trip_bit_exact(specs, seed):

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from miles_sync.protocol import ParallelismInfo, RankChecksums, Selector
-from miles_sync.verify import EXACT, REPLICA, UNVERIFIED, checksum_problems, replica_verdicts, weights_digest
+from miles_sync.sync.verify import EXACT, REPLICA, UNVERIFIED, checksum_problems, replica_verdicts, weights_digest
+from miles_sync.wire.protocol import ParallelismInfo, RankChecksums, Selector
 
 pytestmark = pytest.mark.unit
 
 
 def rank(checksums: dict[str, str], *, tp_rank: int = 0, tp_size: int = 1) -> RankChecksums:
     info = ParallelismInfo(
-        role="target", tp_rank=tp_rank, tp_size=tp_size, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=tp_rank,
+        role="target",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dp_rank=0,
+        dp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        rank=tp_rank,
         size=tp_size,
-    )  # fmt: skip
+    )
     return RankChecksums(checksums=checksums, per_gpu_checksum="x", parallelism_info=(info,))
 
 

@@ -191,8 +191,7 @@ def _train_target(recipe: CheckpointRecipe, generator: torch.Generator) -> tuple
         optimizer.step()
         if step % recipe.log_every == 0 or step == recipe.target_steps:
             _log(
-                f"target step {step}/{recipe.target_steps}: "
-                f"lm loss {lm_loss.item():.4f} mtp loss {mtp_loss.item():.4f}"
+                f"target step {step}/{recipe.target_steps}: lm loss {lm_loss.item():.4f} mtp loss {mtp_loss.item():.4f}"
             )
     metrics = {"target_lm_loss": round(lm_loss.item(), 6), "target_mtp_loss": round(mtp_loss.item(), 6)}
     return lm, mtp, metrics
@@ -304,8 +303,17 @@ def cached_checkpoints(
                 recipe_file = staging / "recipe-in.json"
                 recipe_file.write_text(json.dumps(dataclasses.asdict(recipe)))
                 subprocess.run(
-                    [sys.executable, "-m", "miles_sync.engine.reference.checkpoints", "--out", str(staging / "out"),
-                     "--recipe", str(recipe_file), "--threads", str(threads)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "miles_sync.engine.reference.checkpoints",
+                        "--out",
+                        str(staging / "out"),
+                        "--recipe",
+                        str(recipe_file),
+                        "--threads",
+                        str(threads),
+                    ],
                     check=True,
                     timeout=timeout_s,
                 )

@@ -32,13 +32,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_sync.bucket import BucketEntry, dtype_from_name, layout_from_metadata, unpack_bucket
 from miles_sync.engine.reference.groups import UpdateGroups
 from miles_sync.engine.reference.runner import Runner
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.weights_checker import WeightsChecker
-from miles_sync.plan import TensorMeta
-from miles_sync.protocol import (
+from miles_sync.engine.settings import FinalizePolicy
+from miles_sync.transport.group import UpdateGroup
+from miles_sync.wire.bucket import BucketEntry, TensorMeta, dtype_from_name, layout_from_metadata, unpack_bucket
+from miles_sync.wire.draft import DraftKind, DraftReport
+from miles_sync.wire.payload import decode_payload
+from miles_sync.wire.protocol import (
     BeginWeightUpdateRequest,
     ChecksumNames,
     ContinueGenerationRequest,
@@ -60,15 +63,11 @@ from miles_sync.protocol import (
     WeightsCheckerResult,
     WeightUpdateResult,
     WeightVersionResult,
-    WireEnum,
     role_kind,
     selector_roles,
 )
-from miles_sync.selector import DraftKind, DraftReport
-from miles_sync.tensor_payload import decode_payload
-from miles_sync.transport.group import UpdateGroup
 
-__all__ = ["FinalizePolicy", "ReferenceEngine"]
+__all__ = ["ReferenceEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +75,6 @@ _TP_RANK = 0  # this engine runs every runner at TP=1
 _TP_SIZE = 1
 _SOURCE_RANK = 0  # the trainer's source rank in every update group
 _MAX_PROBLEMS_SHOWN = 8
-
-
-class FinalizePolicy(WireEnum):
-    """What `end_weight_update` post-processes: see the module docstring."""
-
-    STRICT = "strict"
-    SGLANG = "sglang"
 
 
 @dataclass(kw_only=True)
@@ -359,7 +351,8 @@ class ReferenceEngine:
         named = []
         for entry in entries:
             tensor = _allocate(
-                lambda: torch.empty(entry.shape, dtype=entry.dtype, device=group.device), entry.end - entry.start
+                lambda entry=entry: torch.empty(entry.shape, dtype=entry.dtype, device=group.device),
+                entry.end - entry.start,
             )
             group.broadcast(tensor, src=_SOURCE_RANK, timeout_s=self._timeout_s)
             named.append((entry.name, tensor.cpu()))

@@ -31,9 +31,9 @@ from miles_sync.engine.reference.models import (
     read_config,
     read_safetensors,
 )
-from miles_sync.layout import WeightLayout, can_shuffle, shuffle_weight, unshuffle_weight
-from miles_sync.plan import TensorMeta
-from miles_sync.protocol import Role
+from miles_sync.weights.layout import WeightLayout, can_shuffle, shuffle_weight, unshuffle_weight
+from miles_sync.wire.bucket import TensorMeta
+from miles_sync.wire.protocol import Role
 
 __all__ = [
     "DRAFT_KINDS",
@@ -240,9 +240,7 @@ def load_target_runner(
     return _populate(runner, read_safetensors(path), source=str(path))
 
 
-def load_mtp_runner(
-    path: str | os.PathLike, *, target: Runner, layout: WeightLayout = WeightLayout.NONE
-) -> Runner:
+def load_mtp_runner(path: str | os.PathLike, *, target: Runner, layout: WeightLayout = WeightLayout.NONE) -> Runner:
     """The MTP draft runner from the TARGET checkpoint at `path`; it shares the target's weights lock."""
     config = read_config(path)
     tensors = read_safetensors(path)

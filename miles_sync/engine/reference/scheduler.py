@@ -24,7 +24,7 @@ import torch
 from miles_sync.engine.reference.models import TextCodec
 from miles_sync.engine.reference.runner import Runner
 from miles_sync.engine.reference.speculative import DraftInput, Proposer, accept_tokens, create_proposer, pad_right
-from miles_sync.protocol import (
+from miles_sync.wire.protocol import (
     FinishReason,
     FinishReasonKind,
     GenerateMetaInfo,

@@ -30,15 +30,16 @@ from collections.abc import Sequence
 import torch
 from aiohttp import web
 
-from miles_sync.engine.reference.engine import FinalizePolicy, ReferenceEngine
+from miles_sync.engine.reference.engine import ReferenceEngine
 from miles_sync.engine.reference.models import load_tokenizer
 from miles_sync.engine.reference.runner import DRAFT_KINDS, load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.server import ServerSettings, create_app
+from miles_sync.engine.settings import FinalizePolicy
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, read_environment
-from miles_sync.layout import WeightLayout
-from miles_sync.protocol import ChecksumNames
-from miles_sync.selector import DraftKind
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.protocol import ChecksumNames
 
 __all__ = ["DRAFT_ROLES", "build_engine", "main", "parse_args"]
 
@@ -61,20 +62,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--finalize-policy", choices=[p.value for p in FinalizePolicy], default="strict")
     parser.add_argument("--spec-steps", type=int, default=3)
     parser.add_argument(
-        "--checksum-names", choices=[n.value for n in ChecksumNames], default=ChecksumNames.HF.value,
+        "--checksum-names",
+        choices=[n.value for n in ChecksumNames],
+        default=ChecksumNames.HF.value,
         help="hf: HF names, logical bytes; engine: SGLang's checker (fused engine names, physical bytes)",
-    )  # fmt: skip
+    )
     parser.add_argument("--draft-role", choices=DRAFT_ROLES, default=DRAFT_ROLES[0])
     parser.add_argument("--host", default=env.host)
     parser.add_argument("--port", type=int, default=0, help="0: the OS picks a free port")
     parser.add_argument(
-        "--api-key", default=env.engine_api_key,
+        "--api-key",
+        default=env.engine_api_key,
         help=f"prefer ${ENGINE_API_KEY_VARIABLE}: a command line is readable by every local user",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--admin-api-key", default=env.engine_admin_api_key,
+        "--admin-api-key",
+        default=env.engine_admin_api_key,
         help=f"key of the admin routes; prefer ${ENGINE_ADMIN_API_KEY_VARIABLE}",
-    )  # fmt: skip
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--collective-timeout-s", type=float, default=env.collective_timeout_s)
     parser.add_argument("--generate-timeout-s", type=float, default=600.0)
@@ -147,8 +152,15 @@ async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
         url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
         logger.info(
             "serving %s (draft %s as %r, layout %s, finalize policy %s, checksum names %s, api key %s, admin api "
-            "key %s)", args.model, args.draft_kind, args.draft_role, args.weight_layout, args.finalize_policy,
-            args.checksum_names, _is_set(args.api_key), _is_set(args.admin_api_key),
+            "key %s)",
+            args.model,
+            args.draft_kind,
+            args.draft_role,
+            args.weight_layout,
+            args.finalize_policy,
+            args.checksum_names,
+            _is_set(args.api_key),
+            _is_set(args.admin_api_key),
         )
         print(f"listening on {url}", flush=True)
         await stop.wait()

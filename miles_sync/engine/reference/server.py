@@ -34,9 +34,9 @@ from typing import Any
 from aiohttp import web
 
 from miles_sync import __version__
-from miles_sync.codec import decode, encode
 from miles_sync.engine.reference.engine import ReferenceEngine
-from miles_sync.protocol import (
+from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.protocol import (
     ALWAYS_OPEN_PREFIXES,
     ENDPOINTS,
     NORMAL_PATHS,
@@ -106,6 +106,7 @@ def _is_bearer(authorization: str | None, key: str) -> bool:
         return False
     # Bytes: compare_digest refuses str with non-ASCII characters, which a header may carry.
     return hmac.compare_digest(token.encode(errors="surrogateescape"), key.encode(errors="surrogateescape"))
+
 
 _SPECULATIVE_ALGORITHMS = {"mtp": "NEXTN", "standalone": "STANDALONE", "ngram": "NGRAM"}
 
@@ -284,9 +285,13 @@ def _auth_middleware(*, api_key: str | None, admin_api_key: str | None):
         is_matched = request.match_info.http_exception is None
         level = AuthLevel.ADMIN_OPTIONAL if is_matched and request.path in ADMIN_PATHS else AuthLevel.NORMAL
         missing = decide_auth(
-            method=request.method, path=request.path, authorization=request.headers.get("Authorization"),
-            api_key=api_key, admin_api_key=admin_api_key, level=level,
-        )  # fmt: skip
+            method=request.method,
+            path=request.path,
+            authorization=request.headers.get("Authorization"),
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+            level=level,
+        )
         if missing is not None:
             return _failure(401, f"{request.path} needs 'Authorization: Bearer <{missing}>'")
         return await handler(request)

@@ -2,7 +2,7 @@
 
 Two naming modes for checksum (`ChecksumNames`, chosen once per engine):
 - hf (default): per TP rank (one here), the checksum of every selected tensor under its HF name in its LOGICAL
-  layout (a shuffled weight is hashed after undoing the shuffle), `miles_sync.checksum.tensor_checksum`, so the
+  layout (a shuffled weight is hashed after undoing the shuffle), `miles_sync.weights.checksum.tensor_checksum`, so the
   numbers equal a trainer's checksums of the HF tensors it sent.
 - engine: what SGLang's checker answers: the engine's own parameter names (q/k/v fused into `qkv_proj`, gate/up
   into `gate_up_proj`, concatenated along dim 0), the PHYSICAL stored bytes (after post-processing), each digest
@@ -23,7 +23,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from miles_sync.checksum import (
+from miles_sync.engine.reference.runner import Runner
+from miles_sync.weights.checksum import (
     engine_digest,
     role_checksums,
     sglang_engine_checksum,
@@ -32,9 +33,8 @@ from miles_sync.checksum import (
     sglang_reported_name,
     sglang_tensor_hash,
 )
-from miles_sync.engine.reference.runner import Runner
-from miles_sync.layout import unshuffle_weight
-from miles_sync.protocol import (
+from miles_sync.weights.layout import unshuffle_weight
+from miles_sync.wire.protocol import (
     ChecksumNames,
     ParallelismInfo,
     RankChecksums,
@@ -144,9 +144,11 @@ class WeightsChecker:
             per_gpu = per_engine = engine_digest(checksums)
         rank = RankChecksums(checksums=checksums, per_gpu_checksum=per_gpu, parallelism_info=tuple(infos))
         return WeightsCheckerResult(
-            success=True, message=f"checksums of {len(checksums)} tensor(s)", ranks=(rank,),
+            success=True,
+            message=f"checksums of {len(checksums)} tensor(s)",
+            ranks=(rank,),
             per_engine_checksum=per_engine,
-        )  # fmt: skip
+        )
 
     def _compare(self, roles: set[Role], skip: tuple[str, ...], *, allow_quant_error: bool) -> WeightsCheckerResult:
         if self._snapshot is None:

@@ -37,9 +37,7 @@ class RuleConverter:
         head_dim = getattr(hf_config, "head_dim", None)
         head_dim = int(hf_config.hidden_size) // num_heads if head_dim is None else int(head_dim)
         if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-            )
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.attention = layouts.AttentionDims(
             num_query_groups=num_kv_heads, heads_per_group=num_heads // num_kv_heads, head_dim=head_dim
         )
@@ -66,7 +64,9 @@ class RuleConverter:
             prefix = f"model.layers.{hf_layer_index(num_layers=self.num_layers, mtp_layer=int(match[1]))}."
             rest = match[2]
             if rest.startswith(_MTP_TRANSFORMER_LAYER):
-                return self._match_rules(name, full_shape, prefix, rest[len(_MTP_TRANSFORMER_LAYER) :], self._layer_rules)
+                return self._match_rules(
+                    name, full_shape, prefix, rest[len(_MTP_TRANSFORMER_LAYER) :], self._layer_rules
+                )
             return self._match_rules(name, full_shape, prefix, rest, self._mtp_rules)
         raise ValueError(f"{self.arch} converter has no mapping for megatron parameter {name!r}")
 
@@ -91,7 +91,12 @@ class RuleConverter:
             return read(hf_name, dim, start, stop).to(dtype)
 
         shard = layouts.read_shard(
-            mapping.layout, mapping, read_as, partition_dim=partition_dim, rank=rank, size=size,
+            mapping.layout,
+            mapping,
+            read_as,
+            partition_dim=partition_dim,
+            rank=rank,
+            size=size,
             attention=self.attention,
         )
         return shard.contiguous()

@@ -1,0 +1,416 @@
+"""The main job: an RL loop on Ray that syncs Megatron weights into rollout engines every round.
+
+    round 0:    rollouts from the starting weights (the baseline)
+    round r>0:  reward the previous rollouts -> one policy-gradient step on every trainer rank -> sync -> rollouts
+                from the synced version (each sample tagged with the version that produced it)
+
+`run_job(config)` starts (or joins) Ray, places and starts the engines, trainer ranks and controller, runs
+`config.num_rounds` rounds, and writes `<output_dir>/<run_name>/report.json` and `report.png`. `launch.run` is its
+Hydra entry point. Everything it starts is stopped in `finally`, also when a round fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import ray
+
+from actors.controller import create_controller
+from actors.placement import PlacedGroups, create_placement_groups
+from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
+from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
+from launch.cluster import connect_ray
+from miles_sync.config import MilesSyncConfig
+from miles_sync.engine.client import EngineClient
+from miles_sync.engine.kinds import engine_spec
+from miles_sync.engine.reference.checkpoints import cached_checkpoints
+from miles_sync.engine.rollout import Sample, generate_samples
+from miles_sync.env import read_environment
+from miles_sync.job.placement import PlacementLayout, plan_colocated_feeds, plan_placement
+from miles_sync.job.rl import make_prompts, mean_accept_length, reward, train_batch
+from miles_sync.job.run_report import (
+    BaselineRecord,
+    RoundRecord,
+    RunReport,
+    config_record,
+    format_row,
+    package_versions,
+    round_record,
+    table_header,
+    write_png,
+)
+from miles_sync.sync.report import ProgressBar, SyncReport
+from miles_sync.transport.base import FeedPlan, TransportKind
+from miles_sync.wire.protocol import SamplingParams
+
+__all__ = ["JobActors", "JobResult", "run_job", "start_job_actors"]
+
+_START_TIMEOUT_S = 600.0  # engines and trainer ranks import torch/megatron and load the checkpoint
+_PLACEMENT_TIMEOUT_S = 120.0
+_ROUND_MARGIN_S = 60.0  # beyond the sync's own timeout, for the controller to report its precise error
+_PROGRESS_POLL_S = 0.2
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResult:
+    report: RunReport
+    json_path: Path
+    png_path: Path
+
+
+def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult:
+    """Run the main job (module docstring). Raises after writing the report when a round fails."""
+    out = sys.stdout if out is None else out
+
+    def log(message: str) -> None:
+        print(message, file=out, flush=True)
+
+    run_dir = Path(config.output_dir) / config.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    baseline: BaselineRecord | None = None
+    rounds: list[RoundRecord] = []
+    status = "completed"
+    try:
+        with connect_ray(config.cluster) as connection, _Fleet.start(config, log=log) as fleet:
+            log(f"ray {'local cluster' if connection.is_local else 'cluster'} at {connection.address}")
+            samples = fleet.rollouts(0)
+            baseline = BaselineRecord(
+                version=fleet.weight_version(), accept_length=mean_accept_length(samples), reward=_mean_reward(samples)
+            )
+            log(table_header())
+            log(format_row(baseline))
+            with _progress(config.num_rounds, enabled=out is sys.stdout and sys.stderr.isatty(), log=log) as advance:
+                for index in range(1, config.num_rounds + 1):
+                    row, samples = fleet.round(index, samples)
+                    rounds.append(row)
+                    advance(format_row(row))
+                    if not row.committed:
+                        raise RuntimeError(f"round {index}: the sync failed; see report.json")
+    except BaseException as exc:
+        status = f"failed: {type(exc).__name__}: {exc}"
+        raise
+    finally:
+        report = RunReport(
+            run_name=config.run_name,
+            status=status,
+            config=config_record(config),
+            packages=package_versions(),
+            machine=_machine(),
+            baseline=baseline,
+            rounds=tuple(rounds),
+        )
+        json_path, png_path = run_dir / "report.json", run_dir / "report.png"
+        report.write_json(json_path)
+        write_png(png_path, baseline=baseline, rounds=rounds, title=f"miles_sync run {config.run_name!r}")
+        log(f"wrote {json_path} and {png_path}")
+    _summarize(baseline, rounds, log=log)
+    return JobResult(report=report, json_path=json_path, png_path=png_path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobActors:
+    """The running actors of one job. `engines` is None when the job uses running servers (`engines.urls`)."""
+
+    urls: tuple[str, ...]
+    engines: EngineGroup | None
+    trainers: TrainerGroup
+    controller: Any
+
+
+@contextlib.contextmanager
+def start_job_actors(
+    config: MilesSyncConfig, *, log: Callable[[str], None], engine_log_dir: Path | None = None
+) -> Iterator[JobActors]:
+    """Place and start the job's engines (unless given as URLs), trainer ranks and controller on the connected Ray
+    cluster; stop them in reverse on exit. Engine logs go to `engine_log_dir` (default:
+    <output_dir>/<run_name>/engine-logs)."""
+    if engine_log_dir is None:
+        engine_log_dir = Path(config.output_dir) / config.run_name / "engine-logs"
+    with contextlib.ExitStack() as stack:
+        checkpoint = _checkpoint_dir(config, log=log)
+        placed = _placement(config)
+        if placed is not None:
+            stack.callback(placed.remove)
+        feeds = _feeds(config, placed)  # refuses a layout with an unfed engine rank before any actor starts
+        engines = None
+        if config.engines.urls:
+            urls = config.engines.urls
+            log(f"using {len(urls)} running engine server(s): {', '.join(urls)}")
+        else:
+            log(
+                f"starting {config.engines.count} {config.engines.kind.value} engine(s) and "
+                f"{config.trainer.world_size} trainer rank(s) (TP={config.trainer.tp})"
+            )
+        # Engines and trainer ranks start at once: each side spends most of its start-up importing.
+        with _Background(_start_engines, config, checkpoint, placed, engine_log_dir) as engine_start:
+            trainers = create_trainers(
+                trainer=config.trainer,
+                checkpoint_dir=checkpoint,
+                num_trained_mtp_layers=config.model.num_trained_mtp_layers,
+                seed=config.seed,
+                placement=placed,
+                timeout_s=_START_TIMEOUT_S,
+                feeds=feeds,
+            )
+            stack.callback(trainers.shutdown)
+            engines = engine_start.result()
+        if engines is not None:
+            stack.callback(engines.shutdown)
+            urls = engines.urls
+        controller = create_controller(
+            trainers=trainers.actors,
+            engine_urls=urls,
+            sync=config.sync,
+            model=config.model,
+            api_key=config.engines.api_key,
+            admin_api_key=config.engines.admin_api_key,
+            timeout_s=_START_TIMEOUT_S,
+        )
+        stack.callback(_close_controller, controller)
+        log(
+            f"fleet ready: {len(urls)} engine(s), {len(trainers.actors)} trainer rank(s), "
+            f"{trainers.ranks[0].num_exported_tensors} tensors per sync"
+        )
+        yield JobActors(urls=tuple(urls), engines=engines, trainers=trainers, controller=controller)
+
+
+class _Fleet:
+    """The running actors of one job: engines (launched or given as URLs), trainer ranks and the controller."""
+
+    def __init__(
+        self,
+        config: MilesSyncConfig,
+        *,
+        urls: Sequence[str],
+        trainers: TrainerGroup,
+        controller: Any,
+        log: Callable[[str], None],
+    ) -> None:
+        self._config = config
+        self._urls = tuple(urls)
+        self._trainers = trainers
+        self._controller = controller
+        self._log = log
+        rollout = config.rollout
+        self._sampling = SamplingParams(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            sampling_seed=config.seed if rollout.temperature > 0 else None,
+        )
+        self._sync_timeout_s = config.sync.sync_timeout_s + _ROUND_MARGIN_S
+        self._show_progress = sys.stderr.isatty()
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, config: MilesSyncConfig, *, log: Callable[[str], None]) -> Iterator[_Fleet]:
+        with start_job_actors(config, log=log) as actors:
+            yield cls(config, urls=actors.urls, trainers=actors.trainers, controller=actors.controller, log=log)
+
+    def weight_version(self) -> str:
+        return ray.get(self._controller.weight_version.remote(), timeout=self._config.sync.http_timeout_s)
+
+    def rollouts(self, index: int) -> list[Sample]:
+        rollout = self._config.rollout
+        prompts = make_prompts(index, num_prompts=rollout.num_prompts, length=rollout.prompt_length)
+        return _generate(
+            self._urls,
+            prompts,
+            sampling=self._sampling,
+            api_key=self._config.engines.api_key,
+            timeout_s=self._config.sync.http_timeout_s,
+        )
+
+    def round(self, index: int, previous: Sequence[Sample]) -> tuple[RoundRecord, list[Sample]]:
+        steps = self._trainers.train_step(train_batch(previous), timeout_s=self._sync_timeout_s)
+        losses = {s.loss for s in steps}
+        if len(losses) != 1:  # tensor-parallel ranks compute one loss; anything else is a broken group
+            raise RuntimeError(f"round {index}: trainer ranks computed different losses {sorted(losses)}")
+        report = self._sync_with_progress()
+        if not report.committed:
+            self._log(report.summary())
+            row = round_record(index, report, loss=steps[0].loss, accept_length=None, reward=0.0, samples_tagged=False)
+            return row, []
+        samples = self.rollouts(index)
+        tagged = all(s.weight_version == report.version for s in samples)
+        row = round_record(
+            index,
+            report,
+            loss=steps[0].loss,
+            accept_length=mean_accept_length(samples),
+            reward=_mean_reward(samples),
+            samples_tagged=tagged,
+        )
+        return row, samples
+
+    def _sync_with_progress(self) -> SyncReport:
+        """One sync on the controller; meanwhile a per-bucket bar on this driver, fed by polling the controller."""
+        get_timeout = self._config.sync.http_timeout_s
+        previous = ray.get(self._controller.progress.remote(), timeout=get_timeout)
+        ref = self._controller.sync.remote(raise_on_failure=False)
+        bar = ProgressBar(description="sync", is_enabled=self._show_progress, file=sys.stderr)
+        num_shown = 0
+        deadline = time.monotonic() + self._sync_timeout_s
+        try:
+            while True:
+                ready, _ = ray.wait([ref], timeout=_PROGRESS_POLL_S)
+                progress = ray.get(self._controller.progress.remote(), timeout=get_timeout)
+                if progress is not None and progress != previous:  # the running sync's, not the last one's
+                    for event in progress.buckets[num_shown:]:
+                        bar.update(event)
+                    num_shown = len(progress.buckets)
+                if ready:
+                    return ray.get(ref, timeout=get_timeout)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the sync did not return within {self._sync_timeout_s} s")
+        finally:
+            bar.close()
+
+
+def _checkpoint_dir(config: MilesSyncConfig, *, log: Callable[[str], None]) -> str:
+    if config.model.checkpoint_dir is not None:
+        return config.model.checkpoint_dir
+    cache = read_environment().cache_dir
+    log(f"reference checkpoints: {cache} (built once, a few minutes, on the first run)")
+    return str(cached_checkpoints(cache) / "target")
+
+
+def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
+    """Colocated transport: each trainer rank shares a bundle with an engine; otherwise trainers and engines get
+    bundles of their own. None when the engines are external servers (only trainers are placed, by Ray)."""
+    if config.engines.urls:
+        return None
+    is_colocated = config.sync.transport is TransportKind.COLOCATED
+    plan = plan_placement(
+        layout=PlacementLayout.COLOCATED if is_colocated else PlacementLayout.DISAGGREGATED,
+        num_trainers=config.trainer.world_size,
+        num_engines=config.engines.count,
+        trainer=DEFAULT_TRAINER_RESOURCES,
+        engine=DEFAULT_ENGINE_RESOURCES,
+    )
+    return create_placement_groups(plan, timeout_s=_PLACEMENT_TIMEOUT_S, name_prefix=config.run_name)
+
+
+def _feeds(config: MilesSyncConfig, placed: PlacedGroups | None) -> FeedPlan | None:
+    """Colocated transport on placed engines: each engine rank is fed by the trainer rank on its bundle (engine j
+    by trainer rank j with TP=1 engines). Running servers (`engines.urls`) have no placement here: the export
+    source feeds them all."""
+    if placed is None or config.sync.transport is not TransportKind.COLOCATED:
+        return None
+    return plan_colocated_feeds(placed.plan)
+
+
+def _start_engines(
+    config: MilesSyncConfig, checkpoint: str, placed: PlacedGroups | None, log_dir: Path
+) -> EngineGroup | None:
+    if config.engines.urls:
+        return None
+    settings = config.engines.launch_settings(
+        model_dir=checkpoint, collective_timeout_s=config.sync.collective_timeout_s
+    )
+    spec = engine_spec(config.engines.kind, settings)
+    return create_engines(
+        specs=[spec] * config.engines.count,
+        log_dir=log_dir.resolve(),
+        placement=placed,
+        http_timeout_s=config.sync.http_timeout_s,
+        timeout_s=_START_TIMEOUT_S,
+    )
+
+
+def _close_controller(controller: Any) -> None:
+    with contextlib.suppress(Exception):
+        ray.get(controller.close.remote(), timeout=60)
+    ray.kill(controller)
+
+
+def _generate(
+    urls: Sequence[str],
+    prompts: Sequence[Sequence[int]],
+    *,
+    sampling: SamplingParams,
+    api_key: str | None,
+    timeout_s: float,
+) -> list[Sample]:
+    """The same prompts on every engine, all engines at once, from this process over HTTP."""
+
+    async def run() -> list[Sample]:
+        clients = [EngineClient(u, timeout_s=timeout_s, api_key=api_key) for u in urls]
+        try:
+            batches = await asyncio.gather(*(generate_samples(c, prompts, sampling=sampling) for c in clients))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        return [s for batch in batches for s in batch]
+
+    return asyncio.run(run())
+
+
+def _mean_reward(samples: Sequence[Sample]) -> float:
+    return sum(reward(s) for s in samples) / len(samples) if samples else 0.0
+
+
+def _machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def _summarize(baseline: BaselineRecord | None, rounds: Sequence[RoundRecord], *, log: Callable[[str], None]) -> None:
+    if baseline is None or not rounds:
+        return
+    first, last = baseline.accept_length, rounds[-1].accept_length
+    verified = sum(r.verified for r in rounds)
+    log(
+        f"{len(rounds)} rounds, {verified} verified; accept length {first} -> {last}; "
+        f"mean reward {baseline.reward:.3f} -> {rounds[-1].reward:.3f}"
+    )
+
+
+class _Background:
+    """Run `fn(*args)` on a thread for the duration of a `with` block; `result()` joins it (re-raising)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._future = self._pool.submit(fn, *args)
+
+    def __enter__(self) -> _Background:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # On an error in the block, wait for the engines and stop them: nothing else holds them yet.
+        self._pool.shutdown(wait=True)
+        if exc_type is not None and self._future.exception() is None:
+            group = self._future.result()
+            if group is not None:
+                group.shutdown()
+
+    def result(self) -> Any:
+        return self._future.result(timeout=_START_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def _progress(total: int, *, enabled: bool, log: Callable[[str], None]) -> Iterator[Callable[[str], None]]:
+    """A live bar over the rounds (on stderr, when `enabled`); each finished round's row is printed above it."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="rounds", unit="round", disable=not enabled, file=sys.stderr, leave=False)
+
+    def advance(row: str) -> None:
+        if enabled:
+            bar.write(row, file=sys.stdout)
+        else:
+            log(row)
+        bar.update(1)
+
+    try:
+        yield advance
+    finally:
+        bar.close()

@@ -1,0 +1,97 @@
+"""The `reference` engine kind's launch spec: `python -m miles_sync.engine.reference.serve ... --port 0`.
+
+The OS picks the port and the server prints "listening on URL" once it accepts connections; the launcher reads it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from miles_sync.engine.command import LaunchCommand
+from miles_sync.engine.settings import EngineSettings, FinalizePolicy
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.draft import DraftKind
+
+__all__ = ["ReferenceEngineSpec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceEngineSpec:
+    """The built-in CPU reference engine (`miles_sync.engine.reference.serve`)."""
+
+    model_dir: str
+    draft_kind: DraftKind = DraftKind.NONE
+    draft_dir: str | None = None  # standalone drafts only
+    weight_layout: WeightLayout = WeightLayout.NONE
+    finalize_policy: FinalizePolicy = FinalizePolicy.STRICT
+    spec_steps: int = 3
+    is_draft_frozen: bool = False
+    num_threads: int | None = 1  # torch intra-op threads of the server; None: torch's default
+    collective_timeout_s: float | None = None  # None: the server's default (MILES_SYNC_COLLECTIVE_TIMEOUT_S)
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
+    admin_api_key: str | None = field(default=None, repr=False)  # the admin routes' key; a secret as well
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> ReferenceEngineSpec:
+        return cls(
+            model_dir=settings.model_dir,
+            draft_kind=settings.draft_kind,
+            draft_dir=settings.draft_dir,
+            weight_layout=settings.weight_layout,
+            finalize_policy=settings.finalize_policy,
+            spec_steps=settings.spec_steps,
+            collective_timeout_s=settings.collective_timeout_s,
+            api_key=settings.api_key,
+            admin_api_key=settings.admin_api_key,
+        )
+
+    def __post_init__(self) -> None:
+        problems = []
+        for what, key in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key)):
+            if key is not None and not key:
+                problems.append(f"{what} must be None or a non-empty string")
+        if self.spec_steps < 1:
+            problems.append(f"spec_steps={self.spec_steps} must be at least 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            problems.append(f"num_threads={self.num_threads} must be at least 1 (or None)")
+        if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
+            problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive (or None)")
+        if (self.draft_dir is not None) != (DraftKind(self.draft_kind) is DraftKind.STANDALONE):
+            problems.append(f"draft_dir={self.draft_dir!r} must be given exactly for draft_kind 'standalone'")
+        if problems:
+            raise ValueError("invalid ReferenceEngineSpec: " + "; ".join(problems))
+
+    def command(self, *, host: str) -> LaunchCommand:
+        argv = [
+            sys.executable,
+            "-m",
+            "miles_sync.engine.reference.serve",
+            "--model",
+            self.model_dir,
+            "--draft-kind",
+            DraftKind(self.draft_kind).value,
+            "--weight-layout",
+            WeightLayout(self.weight_layout).value,
+            "--finalize-policy",
+            FinalizePolicy(self.finalize_policy).value,
+            "--spec-steps",
+            str(self.spec_steps),
+            "--host",
+            host,
+            "--port",
+            "0",
+        ]
+        if self.draft_dir is not None:
+            argv += ["--draft", self.draft_dir]
+        if self.is_draft_frozen:
+            argv.append("--draft-is-frozen")
+        if self.num_threads is not None:
+            argv += ["--threads", str(self.num_threads)]
+        if self.collective_timeout_s is not None:
+            argv += ["--collective-timeout-s", str(self.collective_timeout_s)]
+        # Keys travel in the environment, never on the command line (readable by every local user).
+        keys = ((ENGINE_API_KEY_VARIABLE, self.api_key), (ENGINE_ADMIN_API_KEY_VARIABLE, self.admin_api_key))
+        secrets = {variable: key for variable, key in keys if key is not None}
+        return LaunchCommand(argv=tuple(argv), url=None, env=secrets)

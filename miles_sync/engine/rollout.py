@@ -1,0 +1,118 @@
+"""The rollout side of one engine: `RolloutWorker` (lifecycle plus generation) and `Sample`, every sample tagged
+with the weight version the engine reported for it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from miles_sync.engine.client import EngineClient
+from miles_sync.engine.kinds import EngineSpec
+from miles_sync.engine.process import EngineLauncher
+from miles_sync.wire.protocol import GenerateRequest, SamplingParams
+
+__all__ = ["RolloutWorker", "Sample", "generate_samples"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One generated completion, stamped with the weight version the engine reported for it."""
+
+    engine_url: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    weight_version: str
+    spec_accept_length: float | None = None  # mean tokens accepted per verify step; None without a draft
+
+
+async def generate_samples(
+    client: EngineClient, prompts: Sequence[Sequence[int]], *, sampling: SamplingParams
+) -> tuple[Sample, ...]:
+    """One completion per prompt from the engine behind `client`, requested concurrently (the engine batches
+    them); each Sample carries the weight version the engine reported for it."""
+    responses = await asyncio.gather(
+        *(client.generate(GenerateRequest(input_ids=tuple(p), sampling_params=sampling)) for p in prompts)
+    )
+    return tuple(
+        Sample(
+            engine_url=client.url,
+            prompt_ids=tuple(prompt),
+            output_ids=tuple(r.output_ids),
+            weight_version=r.meta_info.weight_version,
+            spec_accept_length=r.meta_info.spec_accept_length,
+        )
+        for prompt, r in zip(prompts, responses)
+    )
+
+
+class RolloutWorker:
+    """One rollout engine: launches its server and generates from it. Async, bound to the event loop it first runs
+    on (a Ray async actor wraps it). `start` must come first; `restart` gives a new URL."""
+
+    def __init__(
+        self,
+        *,
+        spec: EngineSpec,
+        log_dir: str | os.PathLike,
+        host: str = "127.0.0.1",
+        http_timeout_s: float = 60.0,
+        startup_timeout_s: float = 180.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if not http_timeout_s > 0:
+            raise ValueError(f"invalid RolloutWorker: http_timeout_s={http_timeout_s} must be positive")
+        self._launcher = EngineLauncher(
+            spec=spec, log_dir=log_dir, host=host, startup_timeout_s=startup_timeout_s, env=env
+        )
+        self._http_timeout_s = http_timeout_s
+        self._client: EngineClient | None = None
+        self._api_key = spec.api_key
+
+    async def start(self) -> str:
+        return await asyncio.to_thread(self._launcher.start)
+
+    async def stop(self) -> None:
+        await self._close_client()
+        await asyncio.to_thread(self._launcher.stop)
+
+    async def kill(self) -> None:
+        """Crash the server (SIGKILL), e.g. to exercise a sync that loses an engine mid-broadcast."""
+        await self._close_client()
+        await asyncio.to_thread(self._launcher.kill)
+
+    async def restart(self) -> str:
+        await self._close_client()
+        return await asyncio.to_thread(self._launcher.restart)
+
+    def url(self) -> str | None:
+        return self._launcher.url
+
+    def pid(self) -> int | None:
+        return self._launcher.pid
+
+    def is_running(self) -> bool:
+        return self._launcher.is_running
+
+    def log_tail(self) -> str:
+        return self._launcher.log_tail()
+
+    async def generate(self, prompts: Sequence[Sequence[int]], *, sampling: SamplingParams) -> tuple[Sample, ...]:
+        """Generate one completion per prompt, concurrently (the engine batches them). Raises EngineError when the
+        engine refuses (e.g. stale after a failed sync) or does not answer within the HTTP timeout."""
+        url = self._launcher.url
+        if url is None:
+            raise RuntimeError("RolloutWorker.generate before start(): no engine is running")
+        return await generate_samples(self._connected_client(url), prompts, sampling=sampling)
+
+    def _connected_client(self, url: str) -> EngineClient:
+        # One client per server start: a restarted engine has a new URL.
+        if self._client is None or self._client.url != url.rstrip("/"):
+            self._client = EngineClient(url, timeout_s=self._http_timeout_s, api_key=self._api_key)
+        return self._client
+
+    async def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()

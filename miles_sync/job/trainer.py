@@ -1,0 +1,283 @@
+"""`TrainerWorker`: the trainer the launch code runs (one Ray actor per rank).
+
+Its own gloo group on loopback, megatron-core model parallelism, the model built from the HF config the engines
+serve and loaded from the same checkpoint (so both copies start bit-identical), and a real optimizer: a REINFORCE
+step with Adam on given token sequences and rewards. Its share of every sync is a `ModelSource`
+(`miles_sync.sync.source`), attached under its attachment name like any pipeline's model.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from miles_sync.config import TrainerConfig
+from miles_sync.sync.source import ModelSource, RankInfo, RankSendResult
+from miles_sync.transport.base import FeedPlan
+from miles_sync.wire.protocol import Selector
+
+__all__ = ["TrainBatch", "TrainStepResult", "TrainerWorker"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainBatch:
+    """Token sequences (prompt + completion) and one reward each. The loss covers completion tokens only.
+
+    `baseline`: subtracted from every reward (the advantage); None uses the batch's mean reward.
+    """
+
+    sequences: tuple[tuple[int, ...], ...]
+    num_prompt_tokens: tuple[int, ...]
+    rewards: tuple[float, ...]
+    baseline: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = [] if self.sequences else ["sequences is empty"]
+        if not len(self.sequences) == len(self.num_prompt_tokens) == len(self.rewards):
+            problems.append(
+                f"{len(self.sequences)} sequences, {len(self.num_prompt_tokens)} prompt lengths and "
+                f"{len(self.rewards)} rewards must be as many"
+            )
+        bad = [i for i, (s, n) in enumerate(zip(self.sequences, self.num_prompt_tokens)) if not 1 <= n < len(s)]
+        if bad:
+            problems.append(f"sequences {bad} need 1 <= num_prompt_tokens < length (at least one completion token)")
+        if problems:
+            raise ValueError("invalid TrainBatch: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainStepResult:
+    step: int  # optimizer steps taken so far, this one included
+    loss: float  # the policy-gradient loss of this step
+    mean_token_nll: float  # mean negative log-likelihood of the completion tokens, before the step
+    num_tokens: int
+    seconds: float
+
+
+class TrainerWorker:
+    """One Megatron rank (PP=1, EP=1): process group, model, checkpoint, optimizer, and its ModelSource.
+
+    Lifecycle: construct on every rank (cheap), `host_store()` on rank 0, `setup(master_port=...)` on every rank at
+    the same time, then `train_step` on every rank with the same batch, and syncs through `source`. `feeds`: the
+    colocated feed plan of the placement (see ModelSource), None to feed every engine rank from the source.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        trainer: TrainerConfig,
+        checkpoint_dir: str,
+        num_trained_mtp_layers: int = 0,
+        seed: int = 0,
+        num_threads: int | None = 1,
+        timeout_s: float = 120.0,
+        attachment: str = "default",
+        backend: str | None = None,
+        feeds: FeedPlan | None = None,
+    ) -> None:
+        problems = []
+        if not 0 <= rank < trainer.world_size:
+            problems.append(f"rank={rank} is outside [0, {trainer.world_size}) (tp*pp*dp)")
+        if trainer.pp != 1 or trainer.ep != 1:
+            problems.append(f"pp={trainer.pp}, ep={trainer.ep}: TrainerWorker trains with pp=1 and ep=1 only")
+        if num_trained_mtp_layers < 0:
+            problems.append(f"num_trained_mtp_layers={num_trained_mtp_layers} must be non-negative")
+        if num_threads is not None and num_threads < 1:
+            problems.append(f"num_threads={num_threads} must be at least 1 (or None)")
+        if not timeout_s > 0:
+            problems.append(f"timeout_s={timeout_s} must be positive")
+        if backend not in (None, "gloo", "nccl"):
+            problems.append(f"backend={backend!r} must be 'gloo', 'nccl' or None (nccl where CUDA is available)")
+        if problems:
+            raise ValueError("invalid TrainerWorker: " + "; ".join(problems))
+        self._rank = rank
+        self._config = trainer
+        self._checkpoint_dir = checkpoint_dir
+        self._num_mtp_layers = num_trained_mtp_layers
+        self._seed = seed
+        self._num_threads = num_threads
+        self._timeout_s = timeout_s
+        self._attachment = attachment
+        self._backend = backend
+        self._feeds = feeds
+        self._device = torch.device("cpu")
+        self._store: Any = None
+        self._model: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._source: ModelSource | None = None
+        self._num_steps = 0
+
+    @property
+    def source(self) -> ModelSource:
+        if self._source is None:
+            raise RuntimeError(f"trainer rank {self._rank}: setup() has not run")
+        return self._source
+
+    def host_store(self, *, host: str = "127.0.0.1") -> int:
+        """Rank 0: start the trainer group's rendezvous store on `host` at a port the OS picks; returns the port."""
+        if self._rank != 0:
+            raise RuntimeError(f"host_store on rank {self._rank}: rank 0 hosts the trainer group's store")
+        import torch.distributed as dist
+
+        # torch's store server listens on every interface when it opens its own socket; handing it a socket bound
+        # to `host` keeps it there.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            timeout=timedelta(seconds=self._timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+        listener.detach()  # the store owns the socket from here on and closes it
+        return port
+
+    def setup(self, *, master_address: str, master_port: int) -> RankInfo:
+        """Join the trainer group, initialize model parallelism, build the model, load the checkpoint, make the
+        optimizer and the ModelSource. Blocks until every rank joined (at most `timeout_s`)."""
+        import torch.distributed as dist
+        import transformers
+        from megatron.core import parallel_state as ps
+
+        from miles_sync.export.loader import load_hf_checkpoint
+        from miles_sync.export.raw import create_converter
+        from miles_sync.megatron.model_builder import build_gpt_model
+        from miles_sync.sync.attach import attach_model
+
+        if self._num_threads is not None:
+            torch.set_num_threads(self._num_threads)
+        is_cuda = torch.cuda.is_available()
+        backend = ("nccl" if is_cuda else "gloo") if self._backend is None else self._backend
+        if is_cuda:
+            # Ray leaves each GPU actor its own devices; the model lives on the first one.
+            torch.cuda.set_device(0)
+            self._device = torch.device("cuda", 0)
+        timeout = timedelta(seconds=self._timeout_s)
+        store = self._store
+        if store is None:
+            store = dist.TCPStore(master_address, master_port, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=self._rank, world_size=self._config.world_size, timeout=timeout
+        )
+        ps.initialize_model_parallel(self._config.tp, self._config.pp)
+        hf_config = transformers.AutoConfig.from_pretrained(self._checkpoint_dir)
+        torch.manual_seed(self._seed)
+        if is_cuda:
+            from megatron.core import tensor_parallel
+
+            # megatron initializes under the CUDA RNG tracker, which must be seeded (on CPU the shims stand in).
+            tensor_parallel.model_parallel_cuda_manual_seed(self._seed)
+        self._model = build_gpt_model(hf_config, dtype=_config_dtype(hf_config), mtp_num_layers=self._num_mtp_layers)
+        load_hf_checkpoint(
+            self._model, self._checkpoint_dir, converter=create_converter(hf_config.model_type, hf_config)
+        )
+        self._optimizer = torch.optim.Adam(self._model.parameters(), lr=self._config.lr)
+        # The same one call a pipeline with its own trainer makes: the controller reaches every rank through it.
+        self._source = attach_model(
+            self._model,
+            hf_config=hf_config,
+            name=self._attachment,
+            collective_timeout_s=self._timeout_s,
+            feeds=self._feeds,
+        )
+        return self._source.describe()
+
+    def train_step(self, batch: TrainBatch) -> TrainStepResult:
+        """One REINFORCE step with Adam: minimize mean over completion tokens of advantage * NLL(token).
+
+        Every rank calls it with the same batch; data-parallel replicas take their share of the sequences and
+        average gradients. Mutates the model's weights.
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self._model is None or self._optimizer is None:
+            raise RuntimeError(f"trainer rank {self._rank}: train_step before setup()")
+        start = time.perf_counter()
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        indices = list(range(dp_rank, len(batch.sequences), dp_size))
+        if not indices:
+            raise ValueError(f"batch of {len(batch.sequences)} sequences leaves data-parallel rank {dp_rank} empty")
+        tokens, loss_mask = _pad([batch.sequences[i] for i in indices], [batch.num_prompt_tokens[i] for i in indices])
+        tokens, loss_mask = tokens.to(self._device), loss_mask.to(self._device)
+        rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+        baseline = rewards.mean() if batch.baseline is None else torch.tensor(batch.baseline)
+        advantages = (rewards - baseline)[indices].to(self._device)
+        self._model.train()
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        positions = torch.arange(inputs.shape[1], device=self._device).unsqueeze(0).expand_as(inputs)
+        # [batch, seq] per-token cross entropy, computed vocab-parallel across the TP ranks.
+        nll = self._model(inputs, positions, None, labels=labels)
+        num_tokens = loss_mask.sum()
+        loss = (nll * loss_mask * advantages[:, None]).sum() / num_tokens
+        self._optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if dp_size > 1:
+            for param in self._model.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=ps.get_data_parallel_group())
+                    param.grad.div_(dp_size)
+        self._optimizer.step()
+        self._num_steps += 1
+        mean_nll = float(((nll.detach() * loss_mask).sum() / num_tokens).item())
+        return TrainStepResult(
+            step=self._num_steps,
+            loss=float(loss.item()),
+            mean_token_nll=mean_nll,
+            num_tokens=int(num_tokens.item()),
+            seconds=time.perf_counter() - start,
+        )
+
+    def send_weights(self, *, selector: Selector) -> RankSendResult:
+        """This rank's part of a sync through a transport the controller opened (see ModelSource.send)."""
+        return self.source.send(selector=selector)
+
+    def shutdown(self) -> None:
+        """Release the transport, model parallelism and the process group. Idempotent."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from miles_sync.sync.attach import detach_model
+
+        if self._source is not None:  # detaching shuts the source's transport and loop down
+            self._source = None
+            detach_model(self._attachment)
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+
+def _config_dtype(hf_config: Any) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None)  # transformers 4.57; older configs call it torch_dtype
+    dtype = getattr(hf_config, "torch_dtype", None) if dtype is None else dtype
+    if dtype is None:
+        return torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+
+
+def _pad(sequences: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [batch, max_len] tokens, and the [batch, max_len - 1] mask of label positions that are
+    completion tokens (padding never counts; causal attention keeps it from affecting earlier positions)."""
+    length = max(len(s) for s in sequences)
+    tokens = torch.zeros(len(sequences), length, dtype=torch.long)
+    mask = torch.zeros(len(sequences), length - 1, dtype=torch.float32)
+    for i, (sequence, num_prompt) in enumerate(zip(sequences, num_prompt_tokens)):
+        tokens[i, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        # Label position t predicts token t + 1.
+        mask[i, num_prompt - 1 : len(sequence) - 1] = 1.0
+    return tokens, mask

@@ -1,0 +1,1 @@
+"""Export parity: runs a tiny Megatron model under TP/PP/EP and compares against transformers."""

@@ -1,0 +1,364 @@
+"""The sync controller as a plain class: engines, update-group membership, weight version, lease, stale engines.
+
+It runs each sync as one session (miles_sync.sync.session) under the sync lease, and commits the version only when the
+session completed on every engine and the lease was still held. After a failed sync the session has torn the
+transport down; the controller plans a new membership (new group name, port from the OS) at the next sync. An
+engine that may hold partial weights is held: left paused (never reset), reported with the reason, and resumed by
+the first later sync that verifies on it. Held engines, and engines that joined (or restarted) since the last
+successful sync, are stale until a sync succeeds on them: `serving_engines` leaves them out.
+
+Async and bound to one event loop (its engine clients are); a Ray actor wraps it as an async actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
+from miles_sync.sync.lease import LeaseLostError, SyncLease
+from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
+from miles_sync.sync.sender import WeightSource
+from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
+from miles_sync.transport.base import EngineEndpoint, GroupMembership, plan_membership, transport_spec
+from miles_sync.wire.protocol import DEFAULT_GROUP_NAME, DestroyWeightsUpdateGroupRequest, PauseMode
+
+__all__ = ["GroupSettings", "SyncController", "SyncError"]
+
+
+class SyncError(RuntimeError):
+    """A sync failed; `report` says where, on which engines, and which engines are now stale."""
+
+    def __init__(self, report: SyncReport) -> None:
+        self.report = report
+        super().__init__(report.summary())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SyncError, (self.report,))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSettings:
+    """Where and how the update group meets; the port always comes from the OS at creation."""
+
+    name: str = DEFAULT_GROUP_NAME
+    backend: str = "gloo"
+    master_address: str = "127.0.0.1"
+
+
+class SyncController:
+    """Owns one engine fleet's sync state. Call `connect()` once, then `sync()` per training step."""
+
+    def __init__(
+        self,
+        *,
+        engine_urls: Sequence[str],
+        source: WeightSource,
+        transport: str,
+        selector_inputs: SelectorInputs,
+        pause_mode: PauseMode,
+        verify: bool,
+        timeouts: SessionTimeouts,
+        staged: bool = False,
+        group: GroupSettings = GroupSettings(),
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        lease: SyncLease | None = None,
+        lease_wait_s: float = 30.0,
+        show_progress: bool = True,
+    ) -> None:
+        problems = []
+        duplicates = sorted({u for u in engine_urls if list(engine_urls).count(u) > 1})
+        if not engine_urls:
+            problems.append("engine_urls is empty")
+        if duplicates:
+            problems.append(f"engine_urls repeat {duplicates}")
+        if staged and not callable(getattr(source, "stage", None)):
+            problems.append(f"staged export needs a source with stage(); {type(source).__name__} has none")
+        if not lease_wait_s > 0:
+            problems.append(f"lease_wait_s={lease_wait_s} must be positive")
+        try:
+            self._spec = transport_spec(transport)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid SyncController: " + "; ".join(problems))
+        self._urls = [u.rstrip("/") for u in engine_urls]
+        self._source = source
+        self._transport = transport
+        self._selector_inputs = selector_inputs
+        self._pause_mode = PauseMode(pause_mode)
+        self._verify = verify
+        self._staged = staged
+        self._timeouts = timeouts
+        self._group = group
+        self._api_key = api_key
+        self._admin_api_key = admin_api_key
+        # The lease outlives a stuck session by at most its TTL; a healthy one renews it every TTL / 3.
+        self._lease = SyncLease(ttl_s=timeouts.sync_s) if lease is None else lease
+        self._lease_wait_s = lease_wait_s
+        self._show_progress = show_progress
+        self._clients: dict[str, EngineClient] = {}
+        self._tp_sizes: dict[str, int] = {}
+        self._stale: set[str] = set()
+        self._held: dict[str, str] = {}  # engines left paused because they may hold partial weights -> why
+        # Each engine's checksum answer when the last sync verified on it: after a failed send, an engine that still
+        # answers it received nothing that changed its weights, and may serve again.
+        self._baselines: dict[str, EngineBaseline] = {}
+        self._version = 0  # last committed
+        self._last_attempt = 0  # versions are never reused, not even those of failed syncs
+        self._weight_version = ""
+        self._progress: SyncProgress | None = None
+        self._membership: GroupMembership | None = None
+        self._is_open = False
+        self._generation = 0
+        # Group names are unique per controller and generation: a group that a dead source rank (or a dead earlier
+        # controller) left on an engine can never collide with this controller's next one.
+        self._group_token = uuid.uuid4().hex[:8]
+        self._group_name: str | None = None  # the engines' side of this group may exist until it is destroyed
+
+    # ---- state ----------------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def weight_version(self) -> str:
+        """The version string every non-stale engine serves."""
+        return self._weight_version
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        return tuple(self._urls)
+
+    @property
+    def stale_engines(self) -> tuple[str, ...]:
+        return tuple(u for u in self._urls if u in self._stale)
+
+    @property
+    def serving_engines(self) -> tuple[str, ...]:
+        """Engines that hold the committed weights and may take generation traffic."""
+        return tuple(u for u in self._urls if u not in self._stale)
+
+    @property
+    def held_engines(self) -> dict[str, str]:
+        """Engines left paused because they may hold partial weights -> the reason; a verified sync resumes them."""
+        return {u: self._held[u] for u in self._urls if u in self._held}
+
+    @property
+    def progress(self) -> SyncProgress | None:
+        """The running (or last) sync's acknowledged buckets so far; None before the first sync."""
+        return self._progress
+
+    @property
+    def membership(self) -> GroupMembership | None:
+        """The current update group, None when none is open (colocated transport, or re-created at next sync)."""
+        return self._membership if self._is_open else None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Probe every engine (refusing one that lacks an endpoint the sync needs) and read its TP size and
+        version. Engines that disagree on the version are stale until the first sync."""
+        await asyncio.gather(*(self._connect_engine(url) for url in self._urls))
+        infos = await asyncio.gather(*(self._clients[u].model_info() for u in self._urls))
+        versions = {u: info.weight_version for u, info in zip(self._urls, infos)}
+        common = max(set(versions.values()), key=list(versions.values()).count)
+        self._weight_version = common
+        self._stale = {u for u, v in versions.items() if v != common}
+        # A restarted controller continues the engines' numbering instead of reissuing versions they served.
+        numeric = [int(v) for v in versions.values() if v.isdecimal()]
+        self._version = self._last_attempt = max(numeric, default=0)
+
+    async def _connect_engine(self, url: str) -> None:
+        client = EngineClient(
+            url, timeout_s=self._timeouts.control_s, api_key=self._api_key, admin_api_key=self._admin_api_key
+        )
+        try:
+            info = await client.connect(required=(*CONTROL_ENDPOINTS, *self._spec.endpoints))
+        except BaseException:
+            await client.close()
+            raise
+        self._clients[url] = client
+        self._tp_sizes[url] = info.tp_size
+
+    async def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Swap a (dead or restarted) engine for the one at `new_url`. The new engine is stale until the next
+        sync, and the group is re-created then, because its membership changed."""
+        new_url = new_url.rstrip("/")
+        if old_url not in self._urls:
+            raise ValueError(f"engine {old_url} is not in this controller's fleet {self._urls}")
+        if new_url in self._urls and new_url != old_url:
+            raise ValueError(f"engine {new_url} is already in this controller's fleet")
+        async with self._lease.hold(f"replace_engine {old_url}", timeout_s=self._lease_wait_s):
+            old = self._clients.pop(old_url, None)
+            if old is not None:
+                await old.close()
+            self._urls[self._urls.index(old_url)] = new_url
+            self._stale.discard(old_url)
+            self._held.pop(old_url, None)
+            self._baselines.pop(old_url, None)
+            self._tp_sizes.pop(old_url, None)
+            await self._connect_engine(new_url)
+            self._stale.add(new_url)
+            await self._close_group()
+
+    async def close(self) -> None:
+        await self._close_group()
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+    # ---- sync -----------------------------------------------------------------------------------------------
+
+    async def sync(self, *, holder: str = "controller") -> SyncReport:
+        """One sync of every engine to a new version. Returns the report; raises SyncError (with the report)
+        when it failed, LeaseBusyError when another sync holds the lease past `lease_wait_s`."""
+        if len(self._clients) != len(self._urls):
+            raise RuntimeError("SyncController.sync before connect()")
+        async with self._lease.hold(holder, timeout_s=self._lease_wait_s) as held:
+            self._last_attempt = max(self._version, self._last_attempt) + 1
+            version = str(self._last_attempt)
+            report = await self._open_group(version)
+            if report is None:
+                bar = ProgressBar(description=f"sync v{version}", is_enabled=self._show_progress)
+                self._progress = SyncProgress(version=version, buckets=())
+
+                def on_bucket(event: BucketProgress) -> None:
+                    self._progress = replace(self._progress, buckets=(*self._progress.buckets, event))
+                    bar.update(event)
+
+                try:
+                    report = await run_sync_session(
+                        engines=[self._clients[u] for u in self._urls],
+                        source=self._source,
+                        version=version,
+                        previous_version=self._weight_version,
+                        selector_inputs=self._selector_inputs,
+                        pause_mode=self._pause_mode,
+                        verify=self._verify,
+                        staged=self._staged,
+                        timeouts=self._timeouts,
+                        transport_name=self._transport,
+                        on_bucket=on_bucket,
+                        baselines=self._baselines,
+                        held=tuple(self._held),
+                    )
+                finally:
+                    bar.close()
+                if report.committed:
+                    try:
+                        held.check()
+                    except LeaseLostError as exc:
+                        report = replace(report, committed=False, error=f"not committed: {exc}")
+            self._record(report)
+            if not report.committed:
+                await self._destroy_engine_groups()  # the session already closed the source's side, if it could
+        if not report.committed:
+            raise SyncError(report)
+        return report
+
+    async def _open_group(self, version: str) -> SyncReport | None:
+        """(Re-)create the transport when none is open; a failure report when that fails, else None."""
+        if self._is_open:
+            return None
+        start = time.perf_counter()
+        endpoints = [EngineEndpoint(url=u, tp_size=self._tp_sizes[u]) for u in self._urls]
+        membership = None
+        if self._spec.needs_update_group:
+            # A fresh name per generation: an engine that missed the last teardown still has the old group.
+            name = f"{self._group.name}_{self._group_token}_{self._generation}"
+            self._group_name = name
+            membership = plan_membership(
+                engines=endpoints,
+                group_name=name,
+                backend=self._group.backend,
+                master_address=self._group.master_address,
+            )
+            self._generation += 1
+        try:
+            self._membership = await asyncio.wait_for(
+                self._source.open(engines=endpoints, membership=membership), timeout=self._timeouts.sync_s
+            )
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._source.close(), timeout=self._timeouts.control_s)
+            await self._destroy_engine_groups()
+            return self._failed_before_session(
+                version,
+                error=f"transport set-up failed: {str(exc) or type(exc).__name__}",
+                seconds=time.perf_counter() - start,
+            )
+        self._is_open = True
+        return None
+
+    async def _close_group(self) -> None:
+        self._is_open = False
+        self._membership = None
+        try:
+            await asyncio.wait_for(self._source.close(), timeout=self._timeouts.sync_s)
+        except Exception:
+            await self._destroy_engine_groups()  # the source rank could not ask the engines itself
+        else:
+            self._group_name = None  # the source's transport destroyed the engines' side
+
+    async def _destroy_engine_groups(self) -> None:
+        """Ask every engine to destroy its side of the current group. The source rank's transport does this when
+        it closes, but a source rank that died (or whose close timed out) cannot: without this the engines would
+        hold the group's sockets and threads for the rest of their life. An engine that has no such group, or is
+        dead, refuses; that is the expected answer after a clean close and is ignored."""
+        name, self._group_name = self._group_name, None
+        if name is None:
+            return
+        request = DestroyWeightsUpdateGroupRequest(group_name=name)
+        await asyncio.gather(
+            *(
+                c.destroy_weights_update_group(request, timeout_s=self._timeouts.control_s)
+                for c in self._clients.values()
+            ),
+            return_exceptions=True,
+        )
+
+    def _record(self, report: SyncReport) -> None:
+        for engine in report.engines:
+            if engine.is_stale:
+                self._stale.add(engine.url)
+                self._held.setdefault(engine.url, f"sync v{report.version}: {engine.message}")
+            elif engine.success:
+                self._stale.discard(engine.url)
+                self._held.pop(engine.url, None)
+            if engine.weights_digest is not None and report.selector is not None:
+                self._baselines[engine.url] = EngineBaseline(selector=report.selector, digest=engine.weights_digest)
+            elif engine.is_stale:
+                self._baselines.pop(engine.url, None)  # its answer no longer describes a verified state
+        if report.committed:
+            self._version = int(report.version)
+            self._weight_version = report.version
+        else:
+            # The session tore the transport down on failure; the next sync re-creates it.
+            self._is_open = False
+            self._membership = None
+
+    def _failed_before_session(self, version: str, *, error: str, seconds: float) -> SyncReport:
+        return SyncReport(
+            version=version,
+            previous_version=self._weight_version,
+            committed=False,
+            selector=None,
+            transport=self._transport,
+            num_bytes=0,
+            num_buckets=0,
+            num_tensors=0,
+            phases=PhaseTimes(),
+            total_s=seconds,
+            engines=tuple(
+                EngineResult(url=u, success=False, is_stale=u in self._held, message=error) for u in self._urls
+            ),
+            error=error,
+        )

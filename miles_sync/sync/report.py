@@ -1,0 +1,169 @@
+"""What one sync did: typed per-sync report, per-engine results, per-bucket progress events and a progress bar.
+
+Reports cross Ray and process boundaries and end up in logs and benchmark JSON, so they are plain frozen records
+encoded with miles_sync.wire.codec (`encode_report` / `decode_report` round-trip exactly).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.protocol import Selector
+
+__all__ = [
+    "BucketProgress",
+    "EngineResult",
+    "PhaseTimes",
+    "SyncProgress",
+    "ProgressBar",
+    "SyncReport",
+    "decode_report",
+    "encode_report",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseTimes:
+    """Wall seconds per phase of one sync, in the order they run.
+
+    `export_s` is the time the sender spent pulling units from the export stream (gather + convert). It overlaps
+    `send_s`, the wall time from the first bucket packed to the last bucket acknowledged by every engine, because
+    the next bucket is exported and packed while the previous one is in flight. `finalize_s` covers
+    end_weight_update and update_weight_version on every engine.
+    """
+
+    stage_s: float = 0.0  # staged export only: export + pack before the pause, while engines still generate
+    pause_s: float = 0.0
+    export_s: float = 0.0
+    send_s: float = 0.0
+    finalize_s: float = 0.0
+    verify_s: float = 0.0
+    resume_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineResult:
+    """One engine's outcome of one sync.
+
+    `is_stale`: the engine may hold partial weights (bytes may have reached it and the sync did not verify on it),
+    so it is left paused and must not serve until a later full sync verifies on it; its weights are never touched
+    to quarantine it. `weight_version` is the version it was tagged with, when known. `verification`: the check
+    that passed on it ("exact": tensor by tensor against the trainer; "replica": identical to the majority of the
+    engines with its layout; "unverified": no check could run, e.g. a single engine answering engine-parameter
+    digests; "" when verification is off or did not pass). `weights_digest`: one digest of its checksum answer for
+    the session's roles once verified, the baseline that a later failed sync compares the engine against.
+    """
+
+    url: str
+    success: bool
+    is_stale: bool
+    num_verified_tensors: int = 0
+    weight_version: str | None = None
+    message: str = ""
+    verification: str = ""
+    weights_digest: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncReport:
+    """One sync session. `version` is the version attempted; it is the engines' new version iff `committed`."""
+
+    version: str
+    previous_version: str
+    committed: bool
+    selector: Selector | None  # None when the sync failed before the selector was decided
+    transport: str
+    num_bytes: int
+    num_buckets: int
+    num_tensors: int
+    phases: PhaseTimes
+    total_s: float
+    engines: tuple[EngineResult, ...]
+    error: str | None = None
+    # The trainer's checksum of every tensor it sent (HF name -> hex digest), empty when nothing was sent.
+    checksums: dict[str, str] = field(default_factory=dict)
+    # The checks that ran, fleet-wide: "off", or the distinct per-engine `verification` values joined by "+".
+    verification: str = "off"
+    # Problems that did not fail the sync (e.g. an in_place pause whose cache flush after resume never succeeded).
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def gb_per_s(self) -> float:
+        """Payload bytes over send wall time (10^9 bytes per second); 0 when nothing was sent."""
+        return self.num_bytes / self.phases.send_s / 1e9 if self.phases.send_s > 0 else 0.0
+
+    @property
+    def stale_engines(self) -> tuple[str, ...]:
+        return tuple(e.url for e in self.engines if e.is_stale)
+
+    def summary(self) -> str:
+        """One log line: outcome, version, volume, rate and the phase times."""
+        p = self.phases
+        outcome = f"committed (verification: {self.verification})" if self.committed else f"FAILED ({self.error})"
+        selector = "-" if self.selector is None else self.selector.value
+        return (
+            f"sync v{self.version} {outcome}: {self.num_bytes / 2**20:.1f} MiB in {self.num_buckets} buckets "
+            f"({self.num_tensors} tensors, selector {selector}, {self.transport}) {self.gb_per_s:.2f} GB/s; "
+            f"pause {p.pause_s:.3f}s export {p.export_s:.3f}s send {p.send_s:.3f}s finalize {p.finalize_s:.3f}s "
+            f"verify {p.verify_s:.3f}s resume {p.resume_s:.3f}s total {self.total_s:.3f}s"
+        )
+
+
+def encode_report(report: SyncReport) -> dict[str, Any]:
+    """JSON-safe dict (the derived `gb_per_s` is included for readers of the JSON and ignored on decode)."""
+    return {**encode(report), "gb_per_s": report.gb_per_s}
+
+
+def decode_report(data: dict[str, Any] | str) -> SyncReport:
+    """Inverse of `encode_report`; accepts the dict or its JSON text. Raises ValueError naming bad fields."""
+    obj = json.loads(data) if isinstance(data, str) else dict(data)
+    obj.pop("gb_per_s", None)
+    return decode(SyncReport, obj)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketProgress:
+    """Sent by the sender after each bucket is acknowledged by every engine."""
+
+    index: int  # 0-based, in send order
+    num_bytes: int
+    num_tensors: int
+    total_bytes: int  # cumulative, including this bucket
+    elapsed_s: float  # since the first bucket started
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncProgress:
+    """A sync's buckets acknowledged so far, for a driver that shows progress while the sync runs elsewhere."""
+
+    version: str
+    buckets: tuple[BucketProgress, ...]
+
+
+class ProgressBar:
+    """A per-bucket tqdm bar on the driver. The bucket count is not known in advance (the plan is streamed)."""
+
+    def __init__(self, *, description: str, is_enabled: bool = True, file: IO[str] | None = None) -> None:
+        self._bar = None
+        self.num_updates = 0
+        if is_enabled:
+            from tqdm import tqdm  # imported lazily: only drivers that show progress need it
+
+            # Redrawn on every bucket: a bucket is large, so this costs nothing next to sending it.
+            self._bar = tqdm(desc=description, unit="bucket", leave=False, dynamic_ncols=True, file=file, mininterval=0)
+
+    def update(self, progress: BucketProgress) -> None:
+        self.num_updates += 1
+        if self._bar is None:
+            return
+        rate = progress.total_bytes / progress.elapsed_s / 1e9 if progress.elapsed_s > 0 else 0.0
+        self._bar.set_postfix_str(f"{progress.total_bytes / 2**20:.1f} MiB, {rate:.2f} GB/s", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,292 @@
+"""One trainer rank's share of every sync: `ModelSource`.
+
+It is what a sync needs from one rank: the export of its Megatron model (every rank runs the gather's
+collectives; the stage's source rank receives the full HF tensors) and, on the source rank, the sender that packs
+and ships them. Given a colocated feed plan (`feeds`), every rank of the plan also takes part in each colocated
+bucket: it hands its own copy to the engine ranks on its device. It owns a private event loop thread, so its
+blocking methods work the same from a plain Ray actor, an async actor (through `__ray_call__`) or a script.
+Pipelines with their own trainer actors create one through `miles_sync.embedding.attach_model`;
+`miles_sync.job.trainer.TrainerWorker` does the same for the model it builds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from miles_sync.export.registry import ConversionMode
+from miles_sync.export.units import ExportedUnit
+from miles_sync.sync.report import BucketProgress
+from miles_sync.sync.sender import Sender, SendResult, StageResult
+from miles_sync.transport.base import EngineEndpoint, FeedPlan, FeedRole, GroupMembership, transport_spec
+from miles_sync.transport.colocated import PostedPayload, find_source_rank
+from miles_sync.wire.bucket import AtomicUnit
+from miles_sync.wire.protocol import Selector
+
+__all__ = [
+    "ModelSource",
+    "RankInfo",
+    "RankSendResult",
+    "SenderSettings",
+]
+
+T = TypeVar("T")
+_LOOP_STOP_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SenderSettings:
+    """How the source rank sends, chosen by the controller per update group (so one trainer can serve several).
+
+    `call_timeout_s` bounds one whole open or send call on a rank; the bucket and HTTP timeouts bound each step.
+    """
+
+    transport: str
+    bucket_bytes: int
+    bucket_timeout_s: float
+    open_timeout_s: float
+    http_timeout_s: float
+    call_timeout_s: float
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
+    admin_api_key: str | None = field(default=None, repr=False)  # the engines' admin key, where they have one
+    device: str = "cpu"
+    hash_buckets: bool = True  # checksums of what was sent: verification needs them (see Sender)
+
+    def __post_init__(self) -> None:
+        names = ("bucket_bytes", "bucket_timeout_s", "open_timeout_s", "http_timeout_s", "call_timeout_s")
+        problems = [f"{name}={getattr(self, name)} must be positive" for name in names if not getattr(self, name) > 0]
+        if problems:
+            raise ValueError("invalid SenderSettings: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    """One trainer rank as the controller sees it."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    is_source: bool  # receives the full HF tensors and sends them
+    num_exported_tensors: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSendResult:
+    """One rank's part of a send. `progress`: the source's per-bucket events, in order (empty elsewhere)."""
+
+    rank: int
+    result: SendResult
+    progress: tuple[BucketProgress, ...]
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread; `run` submits a coroutine and waits for it with a timeout."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float, what: str) -> T:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise  # the coroutine's own TimeoutError, with its own message
+            future.cancel()
+            raise TimeoutError(f"{what} did not finish within {timeout_s} s") from None
+
+    def stop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(_LOOP_STOP_S)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+class ModelSource:
+    """One rank's Megatron model as a weight source. Blocking methods; call them from one thread at a time.
+
+    Needs torch.distributed and megatron-core model parallelism initialized (the pipeline's own). Every rank of
+    the model must `send` at the same time (the export's collectives pair up across ranks); `open` and `close`
+    only do work on the source rank. The model must not be trained while a send runs.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        hf_config: Any,
+        conversion: ConversionMode = ConversionMode.RAW,
+        collective_timeout_s: float,
+        feeds: FeedPlan | None = None,
+    ) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from miles_sync.export.megatron import is_export_source
+
+        if not collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s={collective_timeout_s} must be positive")
+        if feeds is not None and feeds.num_trainers != dist.get_world_size():
+            raise ValueError(
+                f"the colocated feed plan covers {feeds.num_trainers} trainer ranks, the trainer group has "
+                f"{dist.get_world_size()}"
+            )
+        self._feeds = feeds
+        self._export_units, metadata = _exporter(
+            model, hf_config=hf_config, conversion=ConversionMode(conversion), timeout_s=collective_timeout_s
+        )
+        self._is_source = is_export_source()
+        self._names = tuple(t.name for unit in metadata for t in unit.tensors)
+        rank = dist.get_rank()
+        self._info = RankInfo(
+            rank=rank,
+            world_size=dist.get_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            is_source=self._is_source,
+            num_exported_tensors=len(self._names),
+        )
+        self._loop = _LoopThread(name=f"miles-sync-source-{rank}")
+        self._sender: Sender | None = None
+        self._call_timeout_s = collective_timeout_s
+        self._unit_listeners: list[Callable[[int], None]] = []
+        # The current (or last) send's acknowledged buckets, appended on the loop thread as they happen: `progress`
+        # reads them from another thread while the send runs (list appends and slices are atomic in CPython).
+        self._progress: list[BucketProgress] = []
+
+    def describe(self) -> RankInfo:
+        return self._info
+
+    def exported_names(self) -> tuple[str, ...]:
+        """The HF names one send covers on this stage (metadata only; no collective)."""
+        return self._names
+
+    def add_unit_listener(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(i)` on the export thread as the i-th unit of a send leaves the export (progress, or fault
+        drills that act at a precise point of a sync). A listener that raises fails that send."""
+        self._unit_listeners.append(listener)
+
+    def clear_unit_listeners(self) -> None:
+        self._unit_listeners.clear()
+
+    def open(
+        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None, settings: SenderSettings
+    ) -> GroupMembership | None:
+        """(Re)build the sender for `engines`; on the source rank this joins the update group while the engines do.
+        Returns the membership bound to its port (non-source ranks return `membership` as given)."""
+        self.close(timeout_s=settings.call_timeout_s)
+        role = None
+        if self._feeds is not None and transport_spec(settings.transport).feeds_from_every_rank:
+            # Every rank opens at once, before any send: the one moment a collective on the default group cannot
+            # interleave with the export's.
+            source_rank = find_source_rank(is_source=self._is_source)
+            role = FeedRole(plan=self._feeds, rank=self._info.rank, source_rank=source_rank)
+        sender = Sender(
+            transport=settings.transport if self._is_source else None,
+            export=self._export,
+            names=self.exported_names,
+            bucket_bytes=settings.bucket_bytes,
+            bucket_timeout_s=settings.bucket_timeout_s,
+            open_timeout_s=settings.open_timeout_s,
+            http_timeout_s=settings.http_timeout_s,
+            api_key=settings.api_key,
+            admin_api_key=settings.admin_api_key,
+            device=settings.device,
+            hash_buckets=settings.hash_buckets,
+            feeds=role,
+        )
+        bound = self._loop.run(
+            sender.open(engines=engines, membership=membership),
+            timeout_s=settings.call_timeout_s,
+            what=f"rank {self._info.rank} opening the {settings.transport} transport",
+        )
+        self._sender = sender
+        self._call_timeout_s = settings.call_timeout_s
+        return bound
+
+    def send(self, *, selector: Selector) -> RankSendResult:
+        """Export and (on the source rank) send the current weights once. Raises on any failure; the transport must
+        then be re-opened (the controller does it at the next sync)."""
+        sender = self._sender
+        if sender is None:
+            raise RuntimeError(f"rank {self._info.rank}: send before open()")
+        self._progress = progress = []
+        result = self._loop.run(
+            sender.send(selector=selector, on_bucket=progress.append),
+            timeout_s=self._call_timeout_s,
+            what=f"rank {self._info.rank} sending weights",
+        )
+        return RankSendResult(rank=self._info.rank, result=result, progress=tuple(progress))
+
+    def posted_payloads(self) -> tuple[PostedPayload, ...]:
+        """What this rank posted to engines in the last colocated send: each engine rank's feeder and the pid that
+        created the shared segment its handle names (empty on ranks that post nothing)."""
+        return () if self._sender is None else self._sender.posted_payloads()
+
+    def stage(self) -> StageResult:
+        """Export and pack the current weights ahead of the next send (every rank at once, as for `send`)."""
+        sender = self._sender
+        if sender is None:
+            raise RuntimeError(f"rank {self._info.rank}: stage before open()")
+        return self._loop.run(sender.stage(), timeout_s=self._call_timeout_s, what=f"rank {self._info.rank} staging")
+
+    def progress(self, *, start: int = 0) -> tuple[BucketProgress, ...]:
+        """The buckets the current (or last) send had acknowledged, from the `start`-th on; safe to call while a
+        send runs on another thread (the actor needs max_concurrency > 1 for that)."""
+        return tuple(self._progress[start:])
+
+    def close(self, *, timeout_s: float = 60.0) -> None:
+        """Tear the transport down (idempotent)."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            self._loop.run(sender.close(), timeout_s=timeout_s, what=f"rank {self._info.rank} closing the transport")
+
+    def shutdown(self) -> None:
+        try:
+            self.close()
+        finally:
+            self._loop.stop()
+
+    def _export(self) -> Iterator[ExportedUnit]:
+        units = self._export_units()
+        for index, unit in enumerate(units):
+            try:
+                for listener in tuple(self._unit_listeners):
+                    listener(index)
+            except Exception:
+                # The other ranks are inside the same export's collectives: finish them before failing, or every
+                # peer would block until its collective timeout and the next sync with it.
+                for _ in units:
+                    pass
+                raise
+            yield unit
+
+
+def _exporter(
+    model: Any, *, hf_config: Any, conversion: ConversionMode, timeout_s: float
+) -> tuple[Callable[[], Iterable[ExportedUnit]], list[AtomicUnit]]:
+    """The export stream factory and its unit metadata for `conversion`, chosen once per model."""
+    if conversion is ConversionMode.BRIDGE:
+        from miles_sync.export.bridge import BridgeExporter, bridge_for_config
+
+        exporter = BridgeExporter(bridge_for_config(hf_config), model)
+        return exporter.iter_units, exporter.metadata()
+    from miles_sync.export.megatron import export_metadata, iter_hf_units
+    from miles_sync.export.raw import create_converter
+
+    converter = create_converter(hf_config.model_type, hf_config)
+
+    def units() -> Iterator[ExportedUnit]:
+        return iter_hf_units(model, converter=converter, source_rank_only=True, timeout_s=timeout_s)
+
+    return units, export_metadata(model, converter=converter)

@@ -1,0 +1,1 @@
+"""Pure functions over weight tensors: physical layouts an engine applies, and bitwise checksums."""

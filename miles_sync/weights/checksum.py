@@ -1,0 +1,184 @@
+"""Bitwise weight checksums: trainer-side HF tensors vs what each engine holds after a sync.
+
+A tensor's checksum is SHA-256 over a header (dtype name and shape) followed by its raw bytes, so a
+reinterpretation of the same bytes (bf16 vs int16, (4, 8) vs (8, 4)) never matches. SHA-256 is the fastest correct
+choice measured with what ships with Python here (SHA extensions make it as fast as SHA-1 and over twice as fast
+as BLAKE2b; see benchmarks/bench_checksum.py), and hashlib releases the GIL while hashing.
+
+Engines that store weights in a transformed physical layout (AITER shuffle) report *logical* checksums by undoing
+the layout first, so engines with different layouts and the trainer all agree on one value per tensor.
+
+The `sglang_*` functions reproduce what SGLang's own weights checker answers instead: the engine's fused parameter
+names (`qkv_proj`, `gate_up_proj`), the physical bytes, each digest the first 8 bytes of SHA-256 over the raw bytes
+(no header), and SGLang's overall and per-engine digests. Predicting a real server's answer needs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from miles_sync.weights.layout import WeightLayout, undo_layout
+from miles_sync.wire.bucket import dtype_name
+
+__all__ = [
+    "DRAFT_PREFIX",
+    "ROLES",
+    "compare_checksums",
+    "engine_digest",
+    "logical_checksum",
+    "role_checksums",
+    "sglang_engine_checksum",
+    "sglang_overall_checksum",
+    "sglang_parameter_names",
+    "sglang_reported_name",
+    "sglang_tensor_hash",
+    "tensor_checksum",
+]
+
+ROLES = ("target", "draft")
+DRAFT_PREFIX = "draft."  # draft-role names are reported with this prefix, as SGLang's weights_checker does
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """SHA-256 hex digest of dtype, shape and raw bytes. Device tensors are copied to host; `t` is not mutated."""
+    header = f"{dtype_name(t.dtype)}[{','.join(str(d) for d in t.shape)}]\n".encode()
+    host = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+    # reshape(-1) first: 0-dim tensors cannot be viewed as bytes directly.
+    data = host.reshape(-1).view(torch.uint8).numpy()
+    h = hashlib.sha256(header)
+    h.update(data)
+    return h.hexdigest()
+
+
+def logical_checksum(t: torch.Tensor, *, layout: WeightLayout | str) -> str:
+    """Checksum of the logical tensor behind a physical `layout` (the inverse transform is applied to a copy)."""
+    return tensor_checksum(undo_layout(t, layout))
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"Unknown role {role!r}; expected one of: {', '.join(ROLES)}")
+
+
+def role_checksums(
+    named: Iterable[tuple[str, torch.Tensor]],
+    *,
+    role: str,
+    layouts: Mapping[str, WeightLayout | str] | None = None,
+) -> dict[str, str]:
+    """{reported name: checksum} for one runner's tensors; draft-role names get the "draft." prefix.
+
+    `layouts` maps (unprefixed) tensor names to the physical layout they are stored in; those tensors are hashed
+    after undoing it, the rest as they are. Raises ValueError for an unknown role, a duplicate name, or a layout
+    entry naming a tensor that is not in `named` (a stale or misspelled entry would otherwise hide silently).
+    """
+    _check_role(role)
+    layouts = {} if layouts is None else layouts
+    prefix = DRAFT_PREFIX if role == "draft" else ""
+    checksums: dict[str, str] = {}
+    seen: set[str] = set()
+    duplicates: set[str] = set()
+    for name, t in named:
+        if name in seen:
+            duplicates.add(name)
+            continue
+        seen.add(name)
+        layout = layouts.get(name)
+        checksums[prefix + name] = tensor_checksum(t) if layout is None else logical_checksum(t, layout=layout)
+    unknown = sorted(set(layouts) - seen)
+    if duplicates or unknown:
+        raise ValueError(f"role_checksums: duplicate names {sorted(duplicates)}, layouts for unknown names {unknown}")
+    return checksums
+
+
+def engine_digest(checksums: Mapping[str, str]) -> str:
+    """One SHA-256 over the sorted (name, checksum) pairs; independent of insertion order.
+
+    Each field is length-prefixed so that no two different maps serialize to the same byte stream.
+    """
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        for field in (name.encode(), checksums[name].encode()):
+            h.update(f"{len(field)}:".encode())
+            h.update(field)
+    return h.hexdigest()
+
+
+def compare_checksums(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[str]:
+    """Readable mismatch lines, empty when the maps are equal: differing names first, then missing (expected but
+    not reported), then extra (reported but not expected); each group sorted by name."""
+    differs = sorted(n for n in expected.keys() & actual.keys() if expected[n] != actual[n])
+    missing = sorted(expected.keys() - actual.keys())
+    extra = sorted(actual.keys() - expected.keys())
+    return [
+        *(f"differs {n}: expected {expected[n]}, got {actual[n]}" for n in differs),
+        *(f"missing {n}: expected {expected[n]}, not reported" for n in missing),
+        *(f"extra {n}: reported {actual[n]}, not expected" for n in extra),
+    ]
+
+
+# ---- SGLang's checker -----------------------------------------------------------------------------------------
+
+# (engine parameter, HF parts it concatenates along dim 0 in this order), relative to one module prefix; the
+# parallel linears of SGLang's models (QKVParallelLinear, MergedColumnParallelLinear) own one fused parameter.
+_SGLANG_FUSIONS = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+_SGLANG_FUSED_LEAVES = ("weight", "bias")
+
+
+def sglang_parameter_names(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """{SGLang parameter name: the HF names it holds, concatenated along dim 0 in this order} for one runner.
+
+    q/k/v of one attention become `<prefix>self_attn.qkv_proj.<leaf>`, gate/up become `<prefix>mlp.gate_up_proj.<leaf>`
+    (leaf `weight` or `bias`), only when every part is present; every other name maps to itself alone.
+    """
+    remaining = set(names)
+    result: dict[str, tuple[str, ...]] = {}
+    for name in sorted(remaining):
+        for fused, parts in _SGLANG_FUSIONS:
+            for leaf in _SGLANG_FUSED_LEAVES:
+                first = f"{parts[0]}.{leaf}"
+                head = name[: -len(first)]
+                if not name.endswith(first) or (head and not head.endswith(".")):
+                    continue
+                members = tuple(f"{head}{part}.{leaf}" for part in parts)
+                if all(member in remaining for member in members):
+                    result[f"{head}{fused}.{leaf}"] = members
+    fused_members = {member for members in result.values() for member in members}
+    for name in remaining - fused_members:
+        result[name] = (name,)
+    return result
+
+
+def sglang_reported_name(role_name: str, name: str) -> str:
+    """How SGLang merges its runners' checksum answers: only draft roles are prefixed ("draft.", "draft_step_0.")."""
+    return name if role_name == "target" else f"{role_name}.{name}"
+
+
+def sglang_tensor_hash(t: torch.Tensor) -> str:
+    """SGLang's CPU `tensor_hash` as the checker prints it: the first 8 bytes of SHA-256 over the raw bytes (dtype
+    and shape are not hashed), as 16 lowercase hex digits (big-endian, so the hexdigest's first 16 characters)."""
+    host = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+    return hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+
+
+def sglang_overall_checksum(checksums: Mapping[str, str]) -> str:
+    """SGLang's `overall_checksum`, the per_gpu_checksum: SHA-256 over name then digest, names in sorted order."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+def sglang_engine_checksum(per_gpu_checksums: Sequence[str]) -> str:
+    """SGLang's per_engine_checksum: SHA-256 over every rank's per_gpu_checksum, in rank order."""
+    h = hashlib.sha256()
+    for per_gpu in per_gpu_checksums:
+        h.update(per_gpu.encode())
+    return h.hexdigest()
