@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> None:
     from launch.cluster import prepare_environment
 
     prepare_environment(config.cluster)  # before Ray is imported
-    from launch.job import run_job
+    from launch.job import run_job  # imported after validation: it pulls in Ray and torch
 
     run_job(config)
 

@@ -25,7 +25,7 @@ from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.rollout import Sample
 from miles_sync.job import rl
 from miles_sync.job.placement import PlacementPlan, plan_colocated_feeds, plan_placement
-from miles_sync.job.rl import make_prompts
+from miles_sync.job.rl import make_prompts, reward, train_batch  # noqa: F401 - reward, train_batch: for the tests
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
@@ -36,7 +36,7 @@ OBJECT_STORE_BYTES = 128 * 2**20
 
 @contextlib.contextmanager
 def local_ray(*, num_cpus: int = 2) -> Iterator[None]:
-    """A local Ray cluster on 127.0.0.1 (DESIGN.md section 7), shut down in finally."""
+    """A local Ray cluster bound to 127.0.0.1 only (no non-loopback address), shut down in finally."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(

@@ -1,5 +1,8 @@
 """The reference engine's weight-update state machine, in-process over real runners (no HTTP).
 
+In the multi-process tier because its checkpoint fixture trains the reference checkpoints in a subprocess the
+first time (then reads them from the cache).
+
 Where safety depends on it the engine is never kinder than SGLang 0.5.23: it serves whatever its runners hold after
 a failed session or a reset_tensors, resumes only on continue_generation, and fails a flushing update while
 requests run. These tests pin that behaviour."""
@@ -15,10 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_sync.engine.reference.engine import FinalizePolicy, ReferenceEngine
+from miles_sync.engine.reference.engine import ReferenceEngine
 from miles_sync.engine.reference.runner import load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.weights_checker import WeightsChecker
+from miles_sync.engine.settings import FinalizePolicy
 from miles_sync.weights.checksum import role_checksums
 from miles_sync.weights.layout import shuffle_weight, unshuffle_weight
 from miles_sync.wire.draft import DraftKind
