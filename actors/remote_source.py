@@ -10,8 +10,9 @@ import ray
 
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT, attached_source
 from miles_sync.sync.report import BucketProgress
-from miles_sync.sync.sender import SendResult, StageResult
-from miles_sync.sync.source import RankInfo, RankSendResult, SenderSettings
+from miles_sync.sync.sender import SenderSettings
+from miles_sync.sync.source import RankInfo, RankSendResult
+from miles_sync.sync.weight_source import SendResult, StageResult
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
@@ -30,7 +31,7 @@ def _on_rank(actor: object, name: str, method: str, kwargs: dict[str, Any]) -> A
 
 
 class RemoteTrainerSource:
-    """The WeightSource (miles_sync.sync.sender) over trainer actors whose processes attached a model.
+    """The WeightSource (miles_sync.sync.weight_source) over trainer actors whose processes attached a model.
 
     Async, for the controller actor's event loop. `connect()` first: it reads every rank's RankInfo and finds
     the export source (one pipeline stage: exactly one source rank). Every call has a deadline.

@@ -58,8 +58,9 @@ from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import GroupSettings, SyncController
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.selector import SelectorMode
-from miles_sync.sync.sender import Sender, SendResult
+from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.sync.weight_source import SendResult
 from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
 from miles_sync.transport.group import start_store_server  # noqa: E402
@@ -89,16 +90,16 @@ def gbps(num_bytes: int, seconds: float) -> float:
 
 
 def model_sender(tensors: dict[str, torch.Tensor], *, transport: str, bucket_bytes: int, verify: bool) -> Sender:
-    return Sender(
+    settings = SenderSettings(
         transport=transport,
-        export=lambda: export_units(tensors),
-        names=lambda: list(tensors),
         bucket_bytes=bucket_bytes,
         bucket_timeout_s=CALL_TIMEOUT_S,
         open_timeout_s=CALL_TIMEOUT_S,
         http_timeout_s=CALL_TIMEOUT_S,
-        hash_buckets=verify,  # as the controller service sets it
+        call_timeout_s=CALL_TIMEOUT_S,
+        hash_buckets=verify,  # as actors.controller.controller_args sets it
     )
+    return Sender(settings=settings, export=lambda: export_units(tensors), names=lambda: list(tensors))
 
 
 class PerTensorSource:

@@ -216,7 +216,7 @@ class _Fleet:
             yield cls(config, urls=actors.urls, trainers=actors.trainers, controller=actors.controller, log=log)
 
     def weight_version(self) -> str:
-        return ray.get(self._controller.weight_version.remote(), timeout=self._config.sync.http_timeout_s)
+        return ray.get(self._controller.status.remote(), timeout=self._config.sync.http_timeout_s).weight_version
 
     def rollouts(self, index: int) -> list[Sample]:
         rollout = self._config.rollout
@@ -254,7 +254,7 @@ class _Fleet:
     def _sync_with_progress(self) -> SyncReport:
         """One sync on the controller; meanwhile a per-bucket bar on this driver, fed by polling the controller."""
         get_timeout = self._config.sync.http_timeout_s
-        previous = ray.get(self._controller.progress.remote(), timeout=get_timeout)
+        previous = ray.get(self._controller.status.remote(), timeout=get_timeout).progress
         ref = self._controller.sync.remote(raise_on_failure=False)
         bar = ProgressBar(description="sync", is_enabled=self._show_progress, file=sys.stderr)
         num_shown = 0
@@ -262,7 +262,7 @@ class _Fleet:
         try:
             while True:
                 ready, _ = ray.wait([ref], timeout=_PROGRESS_POLL_S)
-                progress = ray.get(self._controller.progress.remote(), timeout=get_timeout)
+                progress = ray.get(self._controller.status.remote(), timeout=get_timeout).progress
                 if progress is not None and progress != previous:  # the running sync's, not the last one's
                     for event in progress.buckets[num_shown:]:
                         bar.update(event)

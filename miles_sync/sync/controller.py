@@ -5,7 +5,8 @@ session completed on every engine and the lease was still held. After a failed s
 transport down; the controller plans a new membership (new group name, port from the OS) at the next sync. An
 engine that may hold partial weights is held: left paused (never reset), reported with the reason, and resumed by
 the first later sync that verifies on it. Held engines, and engines that joined (or restarted) since the last
-successful sync, are stale until a sync succeeds on them: `serving_engines` leaves them out.
+successful sync, are stale until a sync succeeds on them: `serving_engines` leaves them out. `status()` reads
+all of that state at once (`ControllerStatus`), which is what a Ray actor's caller asks for.
 
 Async and bound to one event loop (its engine clients are); a Ray actor wraps it as an async actor.
 """
@@ -23,12 +24,12 @@ from typing import Any
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
 from miles_sync.sync.lease import LeaseLostError, SyncLease
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
-from miles_sync.sync.sender import WeightSource
 from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
+from miles_sync.sync.weight_source import WeightSource
 from miles_sync.transport.base import EngineEndpoint, GroupMembership, plan_membership, transport_spec
 from miles_sync.wire.protocol import DEFAULT_GROUP_NAME, DestroyWeightsUpdateGroupRequest, PauseMode
 
-__all__ = ["GroupSettings", "SyncController", "SyncError"]
+__all__ = ["ControllerStatus", "GroupSettings", "SyncController", "SyncError"]
 
 
 class SyncError(RuntimeError):
@@ -49,6 +50,24 @@ class GroupSettings:
     name: str = DEFAULT_GROUP_NAME
     backend: str = "gloo"
     master_address: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerStatus:
+    """The controller's state at one moment (see the SyncController properties of the same names).
+
+    `trainer_ranks`: what the source's `connect()` reported (its trainer ranks), empty for a source without one.
+    """
+
+    version: int
+    weight_version: str
+    engine_urls: tuple[str, ...]
+    serving_engines: tuple[str, ...]
+    stale_engines: tuple[str, ...]
+    held_engines: dict[str, str]
+    progress: SyncProgress | None
+    membership: GroupMembership | None
+    trainer_ranks: tuple[Any, ...]
 
 
 class SyncController:
@@ -121,6 +140,7 @@ class SyncController:
         # controller) left on an engine can never collide with this controller's next one.
         self._group_token = uuid.uuid4().hex[:8]
         self._group_name: str | None = None  # the engines' side of this group may exist until it is destroyed
+        self._trainer_ranks: tuple[Any, ...] = ()
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -161,11 +181,35 @@ class SyncController:
         """The current update group, None when none is open (colocated transport, or re-created at next sync)."""
         return self._membership if self._is_open else None
 
+    @property
+    def trainer_ranks(self) -> tuple[Any, ...]:
+        """What the source's own `connect()` reported (e.g. RankInfo per trainer rank); empty without one."""
+        return self._trainer_ranks
+
+    def status(self) -> ControllerStatus:
+        """All of the above at once: one call for a caller in another process."""
+        return ControllerStatus(
+            version=self.version,
+            weight_version=self.weight_version,
+            engine_urls=self.engine_urls,
+            serving_engines=self.serving_engines,
+            stale_engines=self.stale_engines,
+            held_engines=self.held_engines,
+            progress=self.progress,
+            membership=self.membership,
+            trainer_ranks=self.trainer_ranks,
+        )
+
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
-    async def connect(self) -> None:
-        """Probe every engine (refusing one that lacks an endpoint the sync needs) and read its TP size and
-        version. Engines that disagree on the version are stale until the first sync."""
+    async def connect(self) -> tuple[Any, ...]:
+        """Connect the source first when it has a `connect()` (a proxy for trainer actors finds its source rank
+        there), then probe every engine (refusing one that lacks an endpoint the sync needs) and read its TP size
+        and version. Engines that disagree on the version are stale until the first sync. Returns what the
+        source's `connect()` returned (`trainer_ranks`), empty for a source without one."""
+        connect_source = getattr(self._source, "connect", None)
+        if callable(connect_source):
+            self._trainer_ranks = tuple(await connect_source())
         await asyncio.gather(*(self._connect_engine(url) for url in self._urls))
         infos = await asyncio.gather(*(self._clients[u].model_info() for u in self._urls))
         versions = {u: info.weight_version for u, info in zip(self._urls, infos)}
@@ -175,6 +219,7 @@ class SyncController:
         # A restarted controller continues the engines' numbering instead of reissuing versions they served.
         numeric = [int(v) for v in versions.values() if v.isdecimal()]
         self._version = self._last_attempt = max(numeric, default=0)
+        return self._trainer_ranks
 
     async def _connect_engine(self, url: str) -> None:
         client = EngineClient(
@@ -217,9 +262,10 @@ class SyncController:
 
     # ---- sync -----------------------------------------------------------------------------------------------
 
-    async def sync(self, *, holder: str = "controller") -> SyncReport:
+    async def sync(self, *, holder: str = "controller", raise_on_failure: bool = True) -> SyncReport:
         """One sync of every engine to a new version. Returns the report; raises SyncError (with the report)
-        when it failed, LeaseBusyError when another sync holds the lease past `lease_wait_s`."""
+        when it failed, unless `raise_on_failure` is False (the failed report is then returned); raises
+        LeaseBusyError when another sync holds the lease past `lease_wait_s`."""
         if len(self._clients) != len(self._urls):
             raise RuntimeError("SyncController.sync before connect()")
         async with self._lease.hold(holder, timeout_s=self._lease_wait_s) as held:
@@ -260,7 +306,7 @@ class SyncController:
             self._record(report)
             if not report.committed:
                 await self._destroy_engine_groups()  # the session already closed the source's side, if it could
-        if not report.committed:
+        if not report.committed and raise_on_failure:
             raise SyncError(report)
         return report
 

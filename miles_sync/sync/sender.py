@@ -5,7 +5,9 @@ other of two buffers of up to `bucket_bytes` each; a buffer is reused only after
 engine. Memory on the source rank stays bounded by two buffers plus the units of the bucket being packed (and one
 unit the planner looked ahead at), never the whole model. On the CPU the two buffers live as long as the sender
 (see `Sender._send_buffers`) and grow only to the largest bucket seen, so a small model never holds `bucket_bytes`;
-on a GPU each send allocates its own. After each send the freed host heap is handed back to the OS (`_trim_heap`).
+on a GPU each send allocates its own. After each send the freed host heap is handed back to the OS (`trim_heap`).
+Buffers live in `miles_sync.sync.buffers`, the export + pack streams in `miles_sync.sync.packing`, and the
+`WeightSource` protocol the Sender implements in `miles_sync.sync.weight_source`.
 
 The sender also returns the checksum of every tensor it sent, hashed from the packed bytes, i.e. exactly what went
 on the wire; the session compares them with each engine's checksums.
@@ -19,21 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
 
 import torch
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.units import ExportedUnit
-from miles_sync.sync.plan import BucketPlan, plan_buckets
+from miles_sync.sync.buffers import DoubleBuffer, FreshBuffers, trim_heap
+from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, bucket_checksums
 from miles_sync.sync.report import BucketProgress
+from miles_sync.sync.weight_source import SendResult, StageResult
 from miles_sync.transport.base import (
     TRANSPORTS,
     EngineEndpoint,
@@ -46,308 +46,83 @@ from miles_sync.transport.base import (
     transport_spec,
 )
 from miles_sync.transport.colocated import FanOut, PostedPayload, open_fan_out
-from miles_sync.weights.checksum import tensor_checksum
-from miles_sync.wire.bucket import FlattenedBucket, pack_bucket, unpack_bucket
 from miles_sync.wire.protocol import Selector
 
-__all__ = [
-    "DoubleBuffer",
-    "PackedBucket",
-    "SendResult",
-    "StageResult",
-    "Sender",
-    "WeightSource",
-    "pair_with_plans",
-]
+__all__ = ["Sender", "SenderSettings"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class SendResult:
-    """What one `send` delivered. `checksums`: tensor name -> checksum of the bytes sent (empty on non-source
-    ranks). Times: `export_s` pulling units from the export stream, `pack_s` packing and hashing, both overlapped
-    with sending; `send_s` wall time of the whole send."""
+class SenderSettings:
+    """How the source rank sends, chosen by the controller per update group (so one trainer can serve several).
 
-    num_bytes: int
-    num_buckets: int
-    num_tensors: int
-    checksums: dict[str, str]
-    export_s: float
-    pack_s: float
-    send_s: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageResult:
-    """What one `stage` packed ahead of the pause: `num_bytes` is also the extra memory held until the send."""
-
-    num_bytes: int
-    num_buckets: int
-    export_s: float
-    pack_s: float
-    stage_s: float
-
-
-@runtime_checkable
-class WeightSource(Protocol):
-    """The trainer side as the session and controller see it: a local Sender, or a proxy for trainer actors in
-    other processes.
-
-    `open` (re)builds the transport to `engines` (in membership order) and, for transports with an update group,
-    joins `membership` while the engines do; it returns the membership bound to its port (None without a group).
-    `send` exports and sends the current weights once, calling `on_bucket` after each acknowledged bucket.
-    `close` tears the transport down (idempotent). Any failure raises.
-
-    Staged export (optional: `Sender` and the Ray proxy have it): `stage()` exports and packs every bucket of the
-    current weights ahead of the session, while the engines still generate; the next `send` then only transfers
-    them. It holds the whole packed model in memory until that send.
+    `transport`: a registered transport name (the source rank's; the other ranks only take part in the export and,
+    colocated, in the fan-out). `call_timeout_s` bounds one whole open or send call on a rank (ModelSource); the
+    bucket and HTTP timeouts bound each step. `hash_buckets`: see `Sender`.
     """
 
-    async def exported_names(self) -> tuple[str, ...]: ...
+    transport: str
+    bucket_bytes: int
+    bucket_timeout_s: float
+    open_timeout_s: float
+    http_timeout_s: float
+    call_timeout_s: float
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
+    admin_api_key: str | None = field(default=None, repr=False)  # the engines' admin key, where they have one
+    device: str = "cpu"
+    hash_buckets: bool = True  # checksums of what was sent: verification needs them (see Sender)
 
-    async def open(
-        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
-    ) -> GroupMembership | None: ...
-
-    async def send(
-        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
-    ) -> SendResult: ...
-
-    async def close(self) -> None: ...
-
-
-def pair_with_plans(
-    units: Iterable[ExportedUnit], *, cap_bytes: int
-) -> Iterator[tuple[BucketPlan, list[ExportedUnit]]]:
-    """Stream (bucket plan, its exported units) pairs, lazily and in export order.
-
-    The planner sees only metadata; the units wait in a queue until their bucket closes, so at most one bucket's
-    units plus the one unit that closed it are held at any time.
-    """
-    waiting: deque[ExportedUnit] = deque()
-
-    def metadata() -> Iterator:
-        for unit in units:
-            waiting.append(unit)
-            yield unit.meta
-
-    for plan in plan_buckets(metadata(), cap_bytes=cap_bytes):
-        taken = [waiting.popleft() for _ in plan.units]
-        assert all(u.meta is m for u, m in zip(taken, plan.units)), "planner reordered units"
-        yield plan, taken
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim() if sys.platform.startswith("linux") else None
-
-
-def _trim_heap() -> None:
-    """Hand the free pages of the host heap back to the OS. An export frees many MiB-sized tensors every sync from
-    several threads; glibc keeps such memory in per-thread arenas, and the sending rank's RSS then creeps up by a
-    few percent over a hundred syncs without any live object leaking (benchmarks/soak.py measured +7.6% without
-    this, flat with it). Costs milliseconds, after the send."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _byte_buffer(num_bytes: int, *, device: torch.device, shared: bool) -> torch.Tensor:
-    """`shared`: in a CPU shared-memory segment (torch's file_system strategy), so that pickling it for a
-    colocated engine passes a handle instead of copying the bytes into a new segment."""
-    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    if shared:
-        buffer.untyped_storage()._share_filename_cpu_()
-    return buffer
-
-
-class DoubleBuffer:
-    """Two byte buffers of at most `cap_bytes`, allocated on first use; bucket i packs into buffer i % 2.
-
-    A buffer grows when a bucket does not fit (to at least twice its size, at most the cap), so it settles at the
-    largest bucket after a few buckets and a model smaller than the cap never holds the cap. A bucket larger than the
-    cap (one oversized unit travels alone) gets a buffer of its own for that bucket only.
-    """
-
-    def __init__(self, *, cap_bytes: int, device: torch.device, shared: bool = False) -> None:
-        self._cap_bytes = cap_bytes
-        self._device = device
-        self._shared = shared
-        self._slots: list[torch.Tensor | None] = [None, None]
-
-    def for_bucket(self, index: int, num_bytes: int) -> torch.Tensor:
-        if num_bytes > self._cap_bytes:
-            return _byte_buffer(num_bytes, device=self._device, shared=self._shared)
-        slot = index % 2
-        held = self._slots[slot]
-        if held is None or held.numel() < num_bytes:
-            size = num_bytes if held is None else min(self._cap_bytes, max(num_bytes, 2 * held.numel()))
-            self._slots[slot] = None  # the old buffer is freed before the new one is allocated
-            self._slots[slot] = held = _byte_buffer(size, device=self._device, shared=self._shared)
-        return held
-
-
-@dataclass(frozen=True, kw_only=True)
-class PackedBucket:
-    """A packed bucket; `checksums` is None until they are computed (a live send hashes a bucket while it is on
-    the wire, a staged one hashes ahead)."""
-
-    plan: BucketPlan
-    bucket: FlattenedBucket
-    checksums: dict[str, str] | None
-
-
-def bucket_checksums(bucket: FlattenedBucket) -> dict[str, str]:
-    """Checksum of every tensor in the bucket, from the packed bytes (what the engines receive)."""
-    return {name: tensor_checksum(view) for name, view in unpack_bucket(bucket.buffer, bucket.entries)}
-
-
-class _FreshBuffers:
-    """A buffer of its own per bucket: staged buckets all stay alive until they are sent."""
-
-    def __init__(self, *, device: torch.device, shared: bool) -> None:
-        self._device = device
-        self._shared = shared
-
-    def for_bucket(self, index: int, num_bytes: int) -> torch.Tensor:
-        del index
-        return _byte_buffer(num_bytes, device=self._device, shared=self._shared)
-
-
-class _StagedStream:
-    """Buckets packed by `Sender.stage`, replayed in order by the next send; the export already ran."""
-
-    def __init__(self, buckets: Sequence[PackedBucket], *, export_s: float, pack_s: float) -> None:
-        self._buckets = deque(buckets)
-        self.export_s = export_s
-        self.pack_s = pack_s
-
-    def next_bucket(self) -> PackedBucket | None:
-        # popleft: a sent bucket's buffer is freed as soon as the transport is done with it.
-        return self._buckets.popleft() if self._buckets else None
-
-    def drain(self) -> None:
-        self._buckets.clear()
-
-
-class _PackStream:
-    """Export + pack, one bucket per `next_bucket()` call; runs on one worker thread (export may issue
-    collectives, and CUDA streams are per thread)."""
-
-    def __init__(
-        self, units: Iterable[ExportedUnit], *, cap_bytes: int, buffers: DoubleBuffer | _FreshBuffers, hash_inline: bool
-    ) -> None:
-        self._pairs = pair_with_plans(self._timed(units), cap_bytes=cap_bytes)
-        self._buffers = buffers
-        self._hash_inline = hash_inline
-        self._seen: set[str] = set()
-        self.export_s = 0.0
-        self.pack_s = 0.0
-
-    def _timed(self, units: Iterable[ExportedUnit]) -> Iterator[ExportedUnit]:
-        iterator = iter(units)
-        while True:
-            start = time.perf_counter()
-            unit = next(iterator, None)
-            self.export_s += time.perf_counter() - start
-            if unit is None:
-                return
-            yield unit
-
-    def next_bucket(self) -> PackedBucket | None:
-        pair = next(self._pairs, None)
-        if pair is None:
-            return None
-        plan, units = pair
-        start = time.perf_counter()
-        named = [item for unit in units for item in unit.named()]
-        repeated = sorted({name for name, _ in named} & self._seen)
-        if repeated:
-            # Checked before sending: a repeated name would make the engine's checksum ambiguous.
-            raise ValueError(f"the export stream yielded tensor(s) {repeated} more than once")
-        self._seen.update(name for name, _ in named)
-        bucket = pack_bucket(named, out=self._buffers.for_bucket(plan.index, plan.num_bytes))
-        checksums = bucket_checksums(bucket) if self._hash_inline else None
-        self.pack_s += time.perf_counter() - start
-        return PackedBucket(plan=plan, bucket=bucket, checksums=checksums)
-
-    def drain(self) -> None:
-        for _ in self._pairs:
-            pass
+    def __post_init__(self) -> None:
+        problems = []
+        if self.transport not in TRANSPORTS:
+            problems.append(f"transport={self.transport!r} is not one of {sorted(TRANSPORTS)}")
+        names = ("bucket_bytes", "bucket_timeout_s", "open_timeout_s", "http_timeout_s", "call_timeout_s")
+        problems += [f"{name}={getattr(self, name)} must be positive" for name in names if not getattr(self, name) > 0]
+        if problems:
+            raise ValueError("invalid SenderSettings: " + "; ".join(problems))
 
 
 class Sender:
     """Sends the weights one export stream yields. Implements WeightSource in the trainer's process.
 
-    `export()` returns a fresh stream of ExportedUnits per call (the model's current weights); `names()` the HF
-    names that stream covers, without exporting. `transport`: a registered transport name, or None on a rank that
-    is not the export source; `send` then only consumes the stream, so every rank runs the export's collectives
-    in the same order. After a failed bucket the rest of the stream is still consumed, for the same reason, before
-    the error is raised. The engine clients and the transport are built in `open`, on the caller's event loop.
+    `settings`: how it sends (transport, bucket size, timeouts, keys, device, hashing); one record, as the
+    controller chose it. `export()` returns a fresh stream of ExportedUnits per call (the model's current weights);
+    `names()` the HF names that stream covers, without exporting. `is_source`: False on a rank that is not the
+    export source; `send` then only consumes the stream, so every rank runs the export's collectives in the same
+    order. After a failed bucket the rest of the stream is still consumed, for the same reason, before the error is
+    raised. The engine clients and the transport are built in `open`, on the caller's event loop.
 
-    `feeds`: this rank's role in a colocated feed plan (every rank of the plan gets one, the source included;
-    `transport` stays None off the source). Without it a colocated source feeds every engine rank itself
-    (`FeedPlan.single_source`). Opening with a plan of several ranks is a collective over the trainer's default
-    group: every trainer rank must open at once.
+    `feeds`: this rank's role in a colocated feed plan (every rank of the plan gets one, the source included).
+    Without it a colocated source feeds every engine rank itself (`FeedPlan.single_source`). Opening with a plan of
+    several ranks is a collective over the trainer's default group: every trainer rank must open at once.
 
-    `hash_buckets`: checksum every tensor sent (SHA-256, on a thread of its own while the bucket is on the wire).
-    Verification needs them; without them (verify off) a send costs one pass less over the bytes, no sync leaves a
-    verified baseline, and after a failed send the controller cannot tell an untouched engine from a partial one,
-    so it holds every engine the session reached paused.
+    `settings.hash_buckets`: checksum every tensor sent (SHA-256, on a thread of its own while the bucket is on the
+    wire). Verification needs them; without them (verify off) a send costs one pass less over the bytes, no sync
+    leaves a verified baseline, and after a failed send the controller cannot tell an untouched engine from a
+    partial one, so it holds every engine the session reached paused.
     """
 
     def __init__(
         self,
         *,
-        transport: str | None,
+        settings: SenderSettings,
         export: Callable[[], Iterable[ExportedUnit]],
         names: Callable[[], Iterable[str]],
-        bucket_bytes: int,
-        bucket_timeout_s: float,
-        open_timeout_s: float,
-        http_timeout_s: float,
-        api_key: str | None = None,
-        admin_api_key: str | None = None,
-        device: torch.device | str = "cpu",
-        hash_buckets: bool = True,
+        is_source: bool = True,
         feeds: FeedRole | None = None,
     ) -> None:
-        problems = []
-        if transport is not None and transport not in TRANSPORTS:
-            problems.append(f"transport={transport!r} is not one of {sorted(TRANSPORTS)} (or None off the source)")
-        if bucket_bytes <= 0:
-            problems.append(f"bucket_bytes={bucket_bytes} must be positive")
-        for name, value in (
-            ("bucket_timeout_s", bucket_timeout_s),
-            ("open_timeout_s", open_timeout_s),
-            ("http_timeout_s", http_timeout_s),
-        ):
-            if not value > 0:
-                problems.append(f"{name}={value} must be positive")
-        if feeds is not None and (feeds.rank == feeds.source_rank) != (transport is not None):
-            problems.append(
+        if feeds is not None and (feeds.rank == feeds.source_rank) != is_source:
+            raise ValueError(
                 f"feeds: rank {feeds.rank} with source rank {feeds.source_rank} needs a transport exactly on the source"
             )
-        if problems:
-            raise ValueError("; ".join(problems))
-        self._transport_name = transport
+        self._settings = settings
+        self._transport_name = settings.transport if is_source else None
         self._export = export
         self._names = names
-        self._bucket_bytes = bucket_bytes
-        self._bucket_timeout_s = bucket_timeout_s
-        self._open_timeout_s = open_timeout_s
-        self._http_timeout_s = http_timeout_s
-        self._api_key = api_key
-        self._admin_api_key = admin_api_key
-        self._device = torch.device(device)
+        self._device = torch.device(settings.device)
         self._transport: Transport | None = None
         self._clients: tuple[EngineClient, ...] = ()
-        self._staged: _StagedStream | None = None
+        self._staged: StagedStream | None = None
         self._buffers: DoubleBuffer | None = None
-        self._hash_buckets = hash_buckets
         self._feeds = feeds
         self._fan_out: FanOut | None = None
 
@@ -369,9 +144,9 @@ class Sender:
         clients = {
             j: EngineClient(
                 engines[j].url,
-                timeout_s=self._http_timeout_s,
-                api_key=self._api_key,
-                admin_api_key=self._admin_api_key,
+                timeout_s=self._settings.http_timeout_s,
+                api_key=self._settings.api_key,
+                admin_api_key=self._settings.admin_api_key,
             )
             for j in needed
         }
@@ -391,7 +166,7 @@ class Sender:
         if self._transport_name is None:
             return membership
         transport = create_transport(self._transport_name, engines=targets, **self._transport_options())
-        bound = await transport.open(membership=membership, timeout_s=self._open_timeout_s)
+        bound = await transport.open(membership=membership, timeout_s=self._settings.open_timeout_s)
         self._transport = transport
         return bound
 
@@ -408,7 +183,7 @@ class Sender:
     @property
     def _fan_out_timeout_s(self) -> float:
         # A member may wait in one collective for a poster's whole HTTP call (bucket_timeout_s) and the transfer.
-        return 2 * self._bucket_timeout_s
+        return 2 * self._settings.bucket_timeout_s
 
     def posted_payloads(self) -> tuple[PostedPayload, ...]:
         """What this rank posted to engines during the last finished colocated send (empty otherwise)."""
@@ -426,10 +201,10 @@ class Sender:
         allocator already reuses the blocks, and holding them would keep 2 buckets of device memory through
         training, so each send allocates its own."""
         if self._device.type != "cpu":
-            return DoubleBuffer(cap_bytes=self._bucket_bytes, device=self._device)
+            return DoubleBuffer(cap_bytes=self._settings.bucket_bytes, device=self._device)
         if self._buffers is None:
             self._buffers = DoubleBuffer(
-                cap_bytes=self._bucket_bytes, device=self._device, shared=self._shares_cpu_memory
+                cap_bytes=self._settings.bucket_bytes, device=self._device, shared=self._shares_cpu_memory
             )
         return self._buffers
 
@@ -449,7 +224,7 @@ class Sender:
         fan_out, self._fan_out = self._fan_out, None
         try:
             if transport is not None:
-                await transport.close(timeout_s=self._open_timeout_s)
+                await transport.close(timeout_s=self._settings.open_timeout_s)
         finally:
             if fan_out is not None:
                 fan_out.close()
@@ -461,11 +236,11 @@ class Sender:
         `stage` replaces them; `close` drops them."""
         start = time.perf_counter()
         self._staged = None
-        stream = _PackStream(
+        stream = PackStream(
             self._export(),
-            cap_bytes=self._bucket_bytes,
-            buffers=_FreshBuffers(device=self._device, shared=self._shares_cpu_memory),
-            hash_inline=self._hash_buckets,
+            cap_bytes=self._settings.bucket_bytes,
+            buffers=FreshBuffers(device=self._device, shared=self._shares_cpu_memory),
+            hash_inline=self._settings.hash_buckets,
         )
 
         def pack_all() -> list[PackedBucket]:
@@ -484,7 +259,7 @@ class Sender:
             buckets = await asyncio.get_running_loop().run_in_executor(worker, pack_all)
         finally:
             worker.shutdown(wait=False)
-        self._staged = _StagedStream(buckets, export_s=stream.export_s, pack_s=stream.pack_s)
+        self._staged = StagedStream(buckets, export_s=stream.export_s, pack_s=stream.pack_s)
         return StageResult(
             num_bytes=sum(b.bucket.num_bytes for b in buckets),
             num_buckets=len(buckets),
@@ -500,10 +275,10 @@ class Sender:
         loop = asyncio.get_running_loop()
         staged, self._staged = self._staged, None
         if staged is not None:
-            stream: _PackStream | _StagedStream = staged
+            stream: PackStream | StagedStream = staged
         else:
-            stream = _PackStream(
-                self._export(), cap_bytes=self._bucket_bytes, buffers=self._send_buffers(), hash_inline=False
+            stream = PackStream(
+                self._export(), cap_bytes=self._settings.bucket_bytes, buffers=self._send_buffers(), hash_inline=False
             )
         # One worker thread runs the whole stream. Not waited for on exit: after a cancellation it finishes the
         # bucket it is packing on its own, and the event loop must not block on it.
@@ -530,7 +305,7 @@ class Sender:
                 raise
             await self._end_fan_out(error=None)
         finally:
-            worker.submit(_trim_heap)  # after the stream, off the event loop; nobody waits for it
+            worker.submit(trim_heap)  # after the stream, off the event loop; nobody waits for it
             worker.shutdown(wait=False)
         return SendResult(
             num_bytes=totals.num_bytes,
@@ -545,7 +320,7 @@ class Sender:
     async def _follow(self, draining: asyncio.Future) -> None:
         """A non-source rank: drain the export and, as a fan-out member, take part in every bucket; both run to
         their end (the peers' collectives pair up with them) before the first failure is raised."""
-        following = [] if self._fan_out is None else [self._fan_out.follow(timeout_s=self._bucket_timeout_s)]
+        following = [] if self._fan_out is None else [self._fan_out.follow(timeout_s=self._settings.bucket_timeout_s)]
         results = await asyncio.gather(draining, *following, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -557,7 +332,7 @@ class Sender:
 
     async def _send_buckets(
         self,
-        stream: _PackStream,
+        stream: PackStream,
         *,
         worker: ThreadPoolExecutor,
         selector: Selector,
@@ -586,9 +361,9 @@ class Sender:
                 if packed is None:
                     return totals
                 task = asyncio.create_task(
-                    transport.send_bucket(packed.bucket, selector=selector, timeout_s=self._bucket_timeout_s)
+                    transport.send_bucket(packed.bucket, selector=selector, timeout_s=self._settings.bucket_timeout_s)
                 )
-                if packed.checksums is None and self._hash_buckets:
+                if packed.checksums is None and self._settings.hash_buckets:
                     hashing = loop.run_in_executor(hasher, bucket_checksums, packed.bucket)
                 else:
                     hashing = loop.create_future()

@@ -14,53 +14,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from miles_sync.export.registry import ConversionMode
+from miles_sync.export.registry import ConversionMode, build_exporter
 from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.report import BucketProgress
-from miles_sync.sync.sender import Sender, SendResult, StageResult
+from miles_sync.sync.sender import Sender, SenderSettings
+from miles_sync.sync.weight_source import SendResult, StageResult
 from miles_sync.transport.base import EngineEndpoint, FeedPlan, FeedRole, GroupMembership, transport_spec
 from miles_sync.transport.colocated import PostedPayload, find_source_rank
-from miles_sync.wire.bucket import AtomicUnit
 from miles_sync.wire.protocol import Selector
 
 __all__ = [
     "ModelSource",
     "RankInfo",
     "RankSendResult",
-    "SenderSettings",
 ]
 
 T = TypeVar("T")
 _LOOP_STOP_S = 5.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class SenderSettings:
-    """How the source rank sends, chosen by the controller per update group (so one trainer can serve several).
-
-    `call_timeout_s` bounds one whole open or send call on a rank; the bucket and HTTP timeouts bound each step.
-    """
-
-    transport: str
-    bucket_bytes: int
-    bucket_timeout_s: float
-    open_timeout_s: float
-    http_timeout_s: float
-    call_timeout_s: float
-    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
-    admin_api_key: str | None = field(default=None, repr=False)  # the engines' admin key, where they have one
-    device: str = "cpu"
-    hash_buckets: bool = True  # checksums of what was sent: verification needs them (see Sender)
-
-    def __post_init__(self) -> None:
-        names = ("bucket_bytes", "bucket_timeout_s", "open_timeout_s", "http_timeout_s", "call_timeout_s")
-        problems = [f"{name}={getattr(self, name)} must be positive" for name in names if not getattr(self, name) > 0]
-        if problems:
-            raise ValueError("invalid SenderSettings: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,8 +115,8 @@ class ModelSource:
                 f"{dist.get_world_size()}"
             )
         self._feeds = feeds
-        self._export_units, metadata = _exporter(
-            model, hf_config=hf_config, conversion=ConversionMode(conversion), timeout_s=collective_timeout_s
+        self._export_units, metadata = build_exporter(
+            model, hf_config=hf_config, conversion=conversion, timeout_s=collective_timeout_s
         )
         self._is_source = is_export_source()
         self._names = tuple(t.name for unit in metadata for t in unit.tensors)
@@ -192,18 +166,7 @@ class ModelSource:
             source_rank = find_source_rank(is_source=self._is_source)
             role = FeedRole(plan=self._feeds, rank=self._info.rank, source_rank=source_rank)
         sender = Sender(
-            transport=settings.transport if self._is_source else None,
-            export=self._export,
-            names=self.exported_names,
-            bucket_bytes=settings.bucket_bytes,
-            bucket_timeout_s=settings.bucket_timeout_s,
-            open_timeout_s=settings.open_timeout_s,
-            http_timeout_s=settings.http_timeout_s,
-            api_key=settings.api_key,
-            admin_api_key=settings.admin_api_key,
-            device=settings.device,
-            hash_buckets=settings.hash_buckets,
-            feeds=role,
+            settings=settings, export=self._export, names=self.exported_names, is_source=self._is_source, feeds=role
         )
         bound = self._loop.run(
             sender.open(engines=engines, membership=membership),
@@ -270,23 +233,3 @@ class ModelSource:
                     pass
                 raise
             yield unit
-
-
-def _exporter(
-    model: Any, *, hf_config: Any, conversion: ConversionMode, timeout_s: float
-) -> tuple[Callable[[], Iterable[ExportedUnit]], list[AtomicUnit]]:
-    """The export stream factory and its unit metadata for `conversion`, chosen once per model."""
-    if conversion is ConversionMode.BRIDGE:
-        from miles_sync.export.bridge import BridgeExporter, bridge_for_config
-
-        exporter = BridgeExporter(bridge_for_config(hf_config), model)
-        return exporter.iter_units, exporter.metadata()
-    from miles_sync.export.megatron import export_metadata, iter_hf_units
-    from miles_sync.export.raw import create_converter
-
-    converter = create_converter(hf_config.model_type, hf_config)
-
-    def units() -> Iterator[ExportedUnit]:
-        return iter_hf_units(model, converter=converter, source_rank_only=True, timeout_s=timeout_s)
-
-    return units, export_metadata(model, converter=converter)

@@ -36,6 +36,18 @@ class SenderSettings:
     open_timeout_s: float = 20.0
     http_timeout_s: float = 20.0
 
+    def sender_settings(self, settings_class: type[Any]) -> Any:
+        """The Sender's own settings record (miles_sync.sync.sender.SenderSettings, imported in the host process)
+        for these; `call_timeout_s` bounds a whole call, as a trainer rank's does."""
+        return settings_class(
+            transport=self.transport,
+            bucket_bytes=self.bucket_bytes,
+            bucket_timeout_s=self.bucket_timeout_s,
+            open_timeout_s=self.open_timeout_s,
+            http_timeout_s=self.http_timeout_s,
+            call_timeout_s=self.open_timeout_s + self.bucket_timeout_s,
+        )
+
 
 def load_checkpoint(target_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
     """Tensors of the target checkpoint and its num_hidden_layers (the MTP layer is layer num_hidden_layers)."""
@@ -81,6 +93,7 @@ def run(conn, target_dir: str, gate_reached, gate_release) -> None:
 
 async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
     from miles_sync.sync.sender import Sender
+    from miles_sync.sync.sender import SenderSettings as Settings  # this module's SenderSettings is the test's own
     from miles_sync.transport.base import Device, FeedRole, plan_feeds
 
     checkpoint, num_hidden_layers = load_checkpoint(target_dir)
@@ -117,16 +130,7 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
         return FeedRole(plan=plan, rank=0, source_rank=0)
 
     def make_sender(settings: SenderSettings, *, feeds: FeedRole | None) -> Sender:
-        return Sender(
-            transport=settings.transport,
-            export=export,
-            names=names,
-            bucket_bytes=settings.bucket_bytes,
-            bucket_timeout_s=settings.bucket_timeout_s,
-            open_timeout_s=settings.open_timeout_s,
-            http_timeout_s=settings.http_timeout_s,
-            feeds=feeds,
-        )
+        return Sender(settings=settings.sender_settings(Settings), export=export, names=names, feeds=feeds)
 
     while True:
         request_id, op, args = await asyncio.to_thread(conn.recv)

@@ -31,7 +31,7 @@ def run_rank(rank: int, port: int, urls: list[str], fail_export_at: int | None, 
     import torch.distributed as dist
 
     from miles_sync.export.units import units_from_hf_tensors
-    from miles_sync.sync.sender import Sender
+    from miles_sync.sync.sender import Sender, SenderSettings
     from miles_sync.transport.base import Device, EngineEndpoint, FeedRole, plan_feeds
     from miles_sync.wire.protocol import Selector
 
@@ -48,14 +48,19 @@ def run_rank(rank: int, port: int, urls: list[str], fail_export_at: int | None, 
 
     devices = [Device(node="127.0.0.1", index=i) for i in range(2)]
     plan = plan_feeds(trainer_devices=devices, engine_devices=[[d] for d in devices])
-    sender = Sender(
-        transport="colocated" if rank == 0 else None,
-        export=export,
-        names=lambda: sorted(tensors),
+    settings = SenderSettings(
+        transport="colocated",
         bucket_bytes=2 * 64 * 256 * 4,
         bucket_timeout_s=BUCKET_TIMEOUT_S,
         open_timeout_s=BUCKET_TIMEOUT_S,
         http_timeout_s=BUCKET_TIMEOUT_S,
+        call_timeout_s=4 * BUCKET_TIMEOUT_S,
+    )
+    sender = Sender(
+        settings=settings,
+        export=export,
+        names=lambda: sorted(tensors),
+        is_source=rank == 0,
         feeds=FeedRole(plan=plan, rank=rank, source_rank=0),
     )
 

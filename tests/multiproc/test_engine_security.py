@@ -29,7 +29,7 @@ from miles_sync.engine.reference.server import ADMIN_PATHS, HEALTH_PATHS, NORMAL
 from miles_sync.engine.sglang import SGLangEngineSpec
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 from miles_sync.job.run_report import RunReport, config_record
-from miles_sync.sync.source import SenderSettings
+from miles_sync.sync.sender import SenderSettings
 from miles_sync.wire.api import EngineError
 from miles_sync.wire.payload import encode_named_tensors
 from miles_sync.wire.protocol import Selector, UpdateWeightsFromTensorRequest

@@ -147,16 +147,16 @@ def timed_sync(controller) -> tuple[SyncReport, float]:
 
 
 def assert_version_kept(controller, committed: Committed) -> None:
-    assert call(controller, "version") == int(committed.version)
-    assert call(controller, "weight_version") == committed.version
+    assert call(controller, "status").version == int(committed.version)
+    assert call(controller, "status").weight_version == committed.version
 
 
 def assert_no_partial_weights(controller, urls: Sequence[str], committed: Committed, *, round_index: int) -> list[str]:
     """Every engine in `urls` (all alive) either holds the committed weights and generates under the committed
     version, or is held: paused (the controller sent it no continue_generation), left out of the serving engines
     and listed with a reason. Returns the former."""
-    serving = set(call(controller, "serving_engines"))
-    held = call(controller, "held_engines")
+    serving = set(call(controller, "status").serving_engines)
+    held = call(controller, "status").held_engines
     intact = []
     for url in urls:
         if target_checksum(url) == committed.checksum:
@@ -184,7 +184,7 @@ def restart_engines(fleet: Fleet, controller, indices: Sequence[int], old_urls: 
     new_urls = ray.get([fleet.engines.actors[i].restart.remote() for i in indices], timeout=RAY_TIMEOUT_S)
     for old, new in zip(old_urls, new_urls):
         call(controller, "replace_engine", old, new)
-    stale, serving = call(controller, "stale_engines"), call(controller, "serving_engines")
+    stale, serving = call(controller, "status").stale_engines, call(controller, "status").serving_engines
     assert all(u in stale and u not in serving for u in new_urls), (new_urls, stale, serving)
     return new_urls
 
@@ -201,8 +201,8 @@ def assert_full_sync(fleet: Fleet, controller, committed: Committed, *, round_in
         assert engine.success and not engine.is_stale, engine
         assert engine.num_verified_tensors == fleet.num_tensors, engine
         assert engine.weight_version == report.version, engine
-    assert call(controller, "weight_version") == report.version
-    assert call(controller, "serving_engines") == urls and call(controller, "stale_engines") == ()
+    assert call(controller, "status").weight_version == report.version
+    assert call(controller, "status").serving_engines == urls and call(controller, "status").stale_engines == ()
     assert len({target_checksum(u) for u in urls}) == 1
     for url in urls:
         assert {s.weight_version for s in generated(url, round_index=round_index)} == {report.version}
@@ -299,7 +299,7 @@ def test_engine_killed_before_the_sync(fleet):
         assert_version_kept(controller, committed)
         # Nothing was sent: the survivor keeps serving the committed weights, and stays in rotation.
         assert assert_no_partial_weights(controller, [survivor_url], committed, round_index=2) == [survivor_url]
-        assert survivor_url in call(controller, "serving_engines")
+        assert survivor_url in call(controller, "status").serving_engines
 
         restart_engines(fleet, controller, [0], [victim_url])
         report = assert_full_sync(fleet, controller, committed, round_index=3)
@@ -327,7 +327,7 @@ def test_engine_killed_after_the_broadcast_before_finalize(fleet, tmp_path):
             clear_listeners([other])
         assert not ray.get(victim.is_running.remote(), timeout=60)
         # Every bucket had reached every engine; the first step after the send failed, on the victim only.
-        progress = call(controller, "progress")
+        progress = call(controller, "status").progress
         assert progress.version == failed.version and len(progress.buckets) == committed.num_buckets
         assert failed.error.startswith("end failed on 1 of 2 engine(s)") and victim_url in failed.error, failed.error
         assert_version_kept(controller, committed)
@@ -347,7 +347,7 @@ def test_source_rank_killed_mid_sync(fleet):
         start = time.monotonic()
         ref = controller.sync.remote(raise_on_failure=False)
         try:
-            while not has_acknowledged_a_bucket(call(controller, "progress"), after=committed):
+            while not has_acknowledged_a_bucket(call(controller, "status").progress, after=committed):
                 assert not ray.wait([ref], timeout=0.05)[0], "the sync ended before its first bucket was acknowledged"
                 assert time.monotonic() - start < FAULT_SYNC.sync_timeout_s, "no bucket was acknowledged"
         except BaseException:
@@ -412,7 +412,7 @@ def test_engine_stopped_past_the_http_timeout(fleet):
         wait_until_answering(urls[0], timeout_s=60.0)
         # Both engines took the first bucket(s) of the new weights: each is held paused.
         assert assert_no_partial_weights(controller, urls, committed, round_index=11) == []
-        assert call(controller, "serving_engines") == ()
+        assert call(controller, "status").serving_engines == ()
 
         assert_full_sync(fleet, controller, committed, round_index=12)  # the same engine, no restart
 
@@ -509,7 +509,7 @@ def test_rendezvous_that_never_completes(fleet):
             # The member was counted in the group and asked to join, but never did.
             assert [(r["rank_offset"], r["world_size"]) for r in member.init_requests] == [(3, 4)]
             assert assert_no_partial_weights(controller, urls, committed, round_index=14) == urls
-            assert set(call(controller, "serving_engines")) >= set(urls)
+            assert set(call(controller, "status").serving_engines) >= set(urls)
     with controller_for(fleet) as controller:  # the next sync, with the real engines only
         assert_full_sync(fleet, controller, committed, round_index=15)
 

@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from miles_sync.export.units import ExportedUnit
-from miles_sync.sync.sender import DoubleBuffer, Sender, pair_with_plans
+from miles_sync.sync.buffers import DoubleBuffer
+from miles_sync.sync.packing import pair_with_plans
+from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.verify import checksum_problems
 from miles_sync.transport.base import (
     TRANSPORTS,
     EngineEndpoint,
     EngineRanks,
+    FeedRole,
     GroupMembership,
     TransportError,
     TransportSpec,
@@ -298,16 +301,17 @@ def make_sender(units, *, transport="recording", bucket_bytes=400, on_pull=None,
                 on_pull(u)
             yield u
 
-    return Sender(
-        transport=transport,
-        export=export,
-        names=lambda: [m.name for u in units for m in u.meta.tensors],
+    settings = SenderSettings(
+        transport="distributed" if transport is None else transport,  # None: a rank that is not the source
         bucket_bytes=bucket_bytes,
         bucket_timeout_s=5.0,
         open_timeout_s=5.0,
         http_timeout_s=5.0,
+        call_timeout_s=5.0,
         hash_buckets=hash_buckets,
     )
+    names = [m.name for u in units for m in u.meta.tensors]
+    return Sender(settings=settings, export=export, names=lambda: names, is_source=transport is not None)
 
 
 ENGINES = [EngineEndpoint(url="http://127.0.0.1:1", tp_size=1)]
@@ -444,14 +448,27 @@ def test_non_source_rank_only_consumes_the_stream():
 def test_sender_validates_its_arguments():
     with pytest.raises(ValueError) as error:
         Sender(
-            transport="pigeon",
+            settings=SenderSettings(
+                transport="pigeon",
+                bucket_bytes=0,
+                bucket_timeout_s=0,
+                open_timeout_s=1,
+                http_timeout_s=-1,
+                call_timeout_s=1,
+            ),
             export=list,
             names=list,
-            bucket_bytes=0,
-            bucket_timeout_s=0,
-            open_timeout_s=1,
-            http_timeout_s=-1,
         )
     message = str(error.value)
     for part in ("transport='pigeon'", "bucket_bytes=0", "bucket_timeout_s=0", "http_timeout_s=-1"):
         assert part in message
+
+
+def test_sender_refuses_a_feed_role_that_disagrees_with_its_source_side():
+    role = FeedRole.single_source(tp_sizes=[1])  # rank 0, the source
+    settings = SenderSettings(
+        transport="colocated", bucket_bytes=1, bucket_timeout_s=1, open_timeout_s=1, http_timeout_s=1, call_timeout_s=1
+    )
+    with pytest.raises(ValueError, match="needs a transport exactly on the source"):
+        Sender(settings=settings, export=list, names=list, is_source=False, feeds=role)
+    assert Sender(settings=settings, export=list, names=list, is_source=True, feeds=role).is_source
