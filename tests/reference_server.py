@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE
 
 if TYPE_CHECKING:
-    from miles_sync.transport import UpdateGroup
+    from miles_sync.transport.group import UpdateGroup
 
 _LISTENING = "listening on "
 
@@ -247,7 +247,7 @@ def generate(
 @contextlib.contextmanager
 def joined_group(server: ServerProcess, *, group_name: str, timeout_s: float) -> Iterator[UpdateGroup]:
     """A gloo update group of two: this process is rank 0 (the source), the server rank 1. Destroyed on exit."""
-    from miles_sync.transport import create_update_group, start_store_server
+    from miles_sync.transport.group import create_update_group, start_store_server
 
     store = start_store_server(host="127.0.0.1", timeout_s=timeout_s)
     join: list = []

@@ -5,8 +5,9 @@ keys, the same tensors in the same order inside each unit, tensors on the same s
 care which mode produced it. Unit *order* follows megatron-bridge's conversion tasks (all ranks must walk them in
 that order); consumers that plan buckets ahead use `metadata()`, which lists the units exactly as they are yielded.
 
-- pure planning: `unit_slot(hf_name)` and `plan_units(metas)` group HF-named tensors into atomic units;
-  `UnitAssembler` turns a stream of (name, tensor) pairs into complete units; `trim_vocab_padding`;
+- pure planning: `plan_units(metas)` groups HF-named tensors into atomic units by the shared table of
+  export/units.py (`unit_slot`, re-exported here); `UnitAssembler` turns a stream of (name, tensor) pairs into
+  complete units; `trim_vocab_padding`;
 - construction: `load_bridge(hf_dir)` and `build_bridge_model(bridge)` (HF checkpoint dir -> this rank's
   megatron-core model, weights loaded by the bridge), on the local layer spec when Transformer Engine is absent;
   `bridge_for_config(hf_config)` for exporting a model built elsewhere (miles_sync's model builder);
@@ -20,70 +21,20 @@ so importing this module is cheap and works without megatron-bridge installed (s
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles_sync.export.megatron import is_export_source, model_chunks
-from miles_sync.export.units import ExportedUnit
+from miles_sync.export.units import ExportedUnit, unit_slot
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 # --------------------------------------------------------------------------------------------------------------
-# Pure planning: which HF tensors travel together. Keys and member order match the raw converters
-# (export/raw/rules.py, export/raw/qwen3_moe.py): loaders fuse q/k/v (weight and bias), gate/up, and each expert
-# only when all parts arrive in one call.
+# Pure planning: which HF tensors travel together comes from the one grouping table, `UNIT_RULES` of
+# export/units.py, which the raw converters use too; keys and member order are therefore the raw mode's.
 # --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class UnitRule:
-    """`pattern` is matched in full against an HF name; `unit` (a format string over its groups) names the unit;
-    `order` maps the value of group `part` to the tensor's position inside the unit."""
-
-    pattern: re.Pattern[str]
-    unit: str
-    order: dict[str, int]
-
-
-UNIT_RULES: tuple[UnitRule, ...] = (
-    UnitRule(
-        pattern=re.compile(r"(?P<prefix>.+)\.self_attn\.(?P<part>[qkv]_proj\.(?:weight|bias))"),
-        unit="{prefix}.self_attn.qkv_proj",
-        # Weights before biases: the raw gather lists linear_qkv.weight before linear_qkv.bias.
-        order={
-            "q_proj.weight": 0,
-            "k_proj.weight": 1,
-            "v_proj.weight": 2,
-            "q_proj.bias": 3,
-            "k_proj.bias": 4,
-            "v_proj.bias": 5,
-        },
-    ),
-    UnitRule(
-        pattern=re.compile(r"(?P<prefix>.+\.mlp\.(?:experts\.\d+|shared_expert))\.(?P<part>gate|up|down)_proj\.weight"),
-        unit="{prefix}",
-        order={"gate": 0, "up": 1, "down": 2},
-    ),
-    UnitRule(
-        pattern=re.compile(r"(?P<prefix>.+)\.mlp\.(?P<part>gate|up)_proj\.weight"),
-        unit="{prefix}.mlp.gate_up_proj",
-        order={"gate": 0, "up": 1},
-    ),
-)
-
-
-def unit_slot(hf_name: str) -> tuple[str, int]:
-    """(unit key, position inside the unit) of one HF tensor; a tensor no rule groups is its own unit."""
-    for rule in UNIT_RULES:
-        match = rule.pattern.fullmatch(hf_name)
-        if match is not None:
-            fields = {k: v for k, v in match.groupdict().items() if k != "part"}
-            return rule.unit.format(**fields), rule.order[match["part"]]
-    return hf_name, 0
 
 
 def plan_units(metas: Sequence[TensorMeta]) -> tuple[AtomicUnit, ...]:

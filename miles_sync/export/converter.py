@@ -3,7 +3,7 @@
 A converter speaks in *canonical* megatron names: the names a TP=1, PP=1, EP=1 model would have
 (`decoder.layers.{global layer}...`, `mlp.experts.{global expert}...`), so family code never sees parallelism.
 The gather (`export/megatron.py`) and the loader (`export/loader.py`) translate local names, gather or slice
-tensor-parallel shards, and call the converter for the layout change.
+tensor-parallel shards, and call the converter for the merge change.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 
-class Layout(Enum):
+class ShardMerge(Enum):
     """How one megatron tensor (all TP shards together) maps onto HF tensors."""
 
     COPY = "copy"  # one HF tensor, same values, split along the parameter's partition dim
@@ -38,7 +38,7 @@ class TensorMapping:
     megatron_name: str
     megatron_shape: tuple[int, ...]  # full (all TP shards, padded vocab) shape
     unit_key: str
-    layout: Layout
+    merge: ShardMerge
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     is_exported: bool = True

@@ -15,7 +15,7 @@ import torch
 
 from miles_sync.export.converter import Converter
 from miles_sync.export.megatron import model_chunks
-from miles_sync.export.stage import ParallelLayout, ParamPlan, collect_local_params, plan_local_params
+from miles_sync.export.stage import ParallelCoords, ParamPlan, collect_local_params, plan_local_params
 
 _INDEX = "model.safetensors.index.json"
 
@@ -73,8 +73,8 @@ def load_hf_checkpoint(
     Other ranks need not call it at the same time.
     """
     chunks = model_chunks(model)
-    layout = ParallelLayout.from_parallel_state()
-    plans = plan_local_params(collect_local_params(chunks), converter=converter, layout=layout)
+    coords = ParallelCoords.from_parallel_state()
+    plans = plan_local_params(collect_local_params(chunks), converter=converter, coords=coords)
     params = {(i, name): p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
     with CheckpointReader(checkpoint_dir) as reader:
         _check_present(plans, reader)
@@ -86,8 +86,8 @@ def load_hf_checkpoint(
                     plan.mapping,
                     reader.read,
                     partition_dim=plan.param.partition_dim,
-                    rank=layout.etp_rank if is_expert else layout.tp_rank,
-                    size=layout.etp_size if is_expert else layout.tp_size,
+                    rank=coords.etp_rank if is_expert else coords.tp_rank,
+                    size=coords.etp_size if is_expert else coords.tp_size,
                     dtype=param.dtype,
                 )
                 assert tuple(shard.shape) == tuple(param.shape), (plan.param.local_name, shard.shape, param.shape)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from miles_sync.env import read_environment
 from miles_sync.export.converter import Converter
 from miles_sync.export.stage import (
-    ParallelLayout,
+    ParallelCoords,
     ParamPlan,
     UnitPlan,
     collect_local_params,
@@ -44,14 +44,14 @@ def export_metadata(
     model: torch.nn.Module | Sequence[torch.nn.Module], *, converter: Converter, dtype: torch.dtype | None = None
 ) -> list[AtomicUnit]:
     """The units `iter_hf_units` (same `dtype`) will yield on this stage, in order, without moving tensor data."""
-    layout = ParallelLayout.from_parallel_state()
+    coords = ParallelCoords.from_parallel_state()
     params = collect_local_params(model_chunks(model))
-    return [u.meta for u in plan_units(params, converter=converter, layout=layout, dtype=dtype)]
+    return [u.meta for u in plan_units(params, converter=converter, coords=coords, dtype=dtype)]
 
 
 def is_export_source() -> bool:
     """Whether this rank receives full tensors from `iter_hf_units(..., source_rank_only=True)`."""
-    return ParallelLayout.from_parallel_state().is_source
+    return ParallelCoords.from_parallel_state().is_source
 
 
 def iter_hf_units(
@@ -73,12 +73,12 @@ def iter_hf_units(
     training if they must outlive it.
     """
     chunks = model_chunks(model)
-    layout = ParallelLayout.from_parallel_state()
-    plans = plan_units(collect_local_params(chunks), converter=converter, layout=layout, dtype=dtype)
+    coords = ParallelCoords.from_parallel_state()
+    plans = plan_units(collect_local_params(chunks), converter=converter, coords=coords, dtype=dtype)
     timeout = timedelta(seconds=read_environment().collective_timeout_s if timeout_s is None else timeout_s)
     params = {(i, name): p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
     gather_class = _GatherToSource if source_rank_only else _GatherEverywhere
-    gather = gather_class(params=params, converter=converter, layout=layout, dtype=dtype, timeout=timeout)
+    gather = gather_class(params=params, converter=converter, coords=coords, dtype=dtype, timeout=timeout)
     with torch.no_grad():
         for plan in plans:
             yield ExportedUnit(meta=plan.meta, tensors=gather.unit(plan))
@@ -107,13 +107,13 @@ class _Gather:
         *,
         params: dict[tuple[int, str], torch.nn.Parameter],
         converter: Converter,
-        layout: ParallelLayout,
+        coords: ParallelCoords,
         dtype: torch.dtype | None,
         timeout: timedelta,
     ) -> None:
         self._params = params
         self._converter = converter
-        self._layout = layout
+        self._coords = coords
         self._dtype = dtype
         self._timeout = timeout
         self._groups = _Groups()
@@ -153,30 +153,30 @@ class _GatherToSource(_Gather):
     """Shards meet on group rank 0 (`dist.gather`); experts of other EP ranks reach EP rank 0 by send/recv."""
 
     def unit(self, plan: UnitPlan) -> tuple[torch.Tensor, ...] | None:
-        layout = self._layout
+        coords = self._coords
         if plan.owner_ep_rank is None:
-            if not layout.is_dense_participant:
+            if not coords.is_dense_participant:
                 return None
-            tensors = self._convert(plan.params, group=self._groups.tp, group_rank=layout.tp_rank)
+            tensors = self._convert(plan.params, group=self._groups.tp, group_rank=coords.tp_rank)
             # Replicated parameters need no collective, so every TP rank converted them; only rank 0 reports.
-            return tensors if layout.tp_rank == 0 else None
-        if not layout.is_expert_participant:
+            return tensors if coords.tp_rank == 0 else None
+        if not coords.is_expert_participant:
             return None
         owner = plan.owner_ep_rank
         tensors = None
-        if layout.ep_rank == owner:
-            tensors = self._convert(plan.params, group=self._groups.etp, group_rank=layout.etp_rank)
-        if layout.etp_rank != 0:
+        if coords.ep_rank == owner:
+            tensors = self._convert(plan.params, group=self._groups.etp, group_rank=coords.etp_rank)
+        if coords.etp_rank != 0:
             return None
         if owner == 0:
             return tensors
         # Expert-TP rank 0 of the owner holds the unit; move it to EP rank 0 (the source's EP coordinate).
         ep = self._groups.ep
-        if layout.ep_rank == owner:
+        if coords.ep_rank == owner:
             works = [dist.isend(t.contiguous(), dst=_Groups.global_rank(ep, 0), group=ep) for t in tensors]
             _wait(works, self._timeout)
             return None
-        if layout.ep_rank == 0:
+        if coords.ep_rank == 0:
             received = tuple(_empty_like_meta(plan, self._device()))
             works = [dist.irecv(t, src=_Groups.global_rank(ep, owner), group=ep) for t in received]
             _wait(works, self._timeout)
@@ -194,13 +194,13 @@ class _GatherEverywhere(_Gather):
     """Every rank of the stage ends with the full tensors: all-gather shards, broadcast experts within EP."""
 
     def unit(self, plan: UnitPlan) -> tuple[torch.Tensor, ...] | None:
-        layout = self._layout
+        coords = self._coords
         if plan.owner_ep_rank is None:
-            return self._convert(plan.params, group=self._groups.tp, group_rank=layout.tp_rank)
+            return self._convert(plan.params, group=self._groups.tp, group_rank=coords.tp_rank)
         tensors = None
-        if layout.ep_rank == plan.owner_ep_rank:
-            tensors = self._convert(plan.params, group=self._groups.etp, group_rank=layout.etp_rank)
-        if layout.ep_size == 1:
+        if coords.ep_rank == plan.owner_ep_rank:
+            tensors = self._convert(plan.params, group=self._groups.etp, group_rank=coords.etp_rank)
+        if coords.ep_size == 1:
             return tensors
         ep = self._groups.ep
         if tensors is None:

@@ -1,4 +1,4 @@
-"""Pure tensor layout changes between megatron-core TP shards and HF tensors, in both directions.
+"""How megatron-core TP shards merge into HF tensors and split back, in both directions (pure).
 
 Export merges the shards of one parameter (tensor-parallel rank order) into HF tensors; import builds one rank's
 shard from slices of the HF tensors, so a rank never reads rows or columns that belong to another rank.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_sync.export.converter import Layout, SliceReader, TensorMapping
+from miles_sync.export.converter import ShardMerge, SliceReader, TensorMapping
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,27 +29,27 @@ class AttentionDims:
 
 
 def hf_shapes(
-    layout: Layout, megatron_shape: tuple[int, ...], *, attention: AttentionDims, vocab_size: int
+    merge: ShardMerge, megatron_shape: tuple[int, ...], *, attention: AttentionDims, vocab_size: int
 ) -> tuple[tuple[int, ...], ...]:
     """Shapes of the HF tensors one full megatron tensor becomes, in `hf_names` order."""
     rows, rest = megatron_shape[0], tuple(megatron_shape[1:])
-    if layout is Layout.COPY:
+    if merge is ShardMerge.COPY:
         return (tuple(megatron_shape),)
-    if layout is Layout.VOCAB:
+    if merge is ShardMerge.VOCAB:
         return ((vocab_size, *rest),)
-    if layout is Layout.QKV:
+    if merge is ShardMerge.QKV:
         groups = attention.num_query_groups
         assert rows == groups * attention.rows_per_group, (rows, attention)
         kv_rows = groups * attention.head_dim
         return ((groups * attention.heads_per_group * attention.head_dim, *rest), (kv_rows, *rest), (kv_rows, *rest))
-    if layout is Layout.GATE_UP:
+    if merge is ShardMerge.GATE_UP:
         assert rows % 2 == 0, megatron_shape
         return ((rows // 2, *rest), (rows // 2, *rest))
-    raise AssertionError(layout)
+    raise AssertionError(merge)
 
 
 def merge_shards(
-    layout: Layout,
+    merge: ShardMerge,
     shards: Sequence[torch.Tensor],
     *,
     partition_dim: int | None,
@@ -58,25 +58,25 @@ def merge_shards(
 ) -> tuple[torch.Tensor, ...]:
     """Full HF tensors from every TP shard of one parameter. A replicated parameter passes exactly one shard."""
     if partition_dim is None:
-        assert len(shards) == 1 and layout is Layout.COPY, (layout, len(shards))
+        assert len(shards) == 1 and merge is ShardMerge.COPY, (merge, len(shards))
         return (shards[0],)
-    if layout is Layout.COPY:
+    if merge is ShardMerge.COPY:
         return (_cat(shards, partition_dim),)
-    # The remaining layouts are column-parallel: shards stack along dim 0.
-    assert partition_dim == 0, (layout, partition_dim)
-    if layout is Layout.VOCAB:
+    # The remaining merges are column-parallel: shards stack along dim 0.
+    assert partition_dim == 0, (merge, partition_dim)
+    if merge is ShardMerge.VOCAB:
         return (_cat(shards, 0)[:vocab_size],)
-    if layout is Layout.QKV:
+    if merge is ShardMerge.QKV:
         per_shard = [_split_qkv(s, attention) for s in shards]
         return tuple(_cat([parts[i] for parts in per_shard], 0) for i in range(3))
-    if layout is Layout.GATE_UP:
+    if merge is ShardMerge.GATE_UP:
         halves = [s.chunk(2, dim=0) for s in shards]
         return (_cat([h[0] for h in halves], 0), _cat([h[1] for h in halves], 0))
-    raise AssertionError(layout)
+    raise AssertionError(merge)
 
 
 def read_shard(
-    layout: Layout,
+    merge: ShardMerge,
     mapping: TensorMapping,
     read: SliceReader,
     *,
@@ -87,14 +87,14 @@ def read_shard(
 ) -> torch.Tensor:
     """Shard `rank` of `size` of the megatron parameter described by `mapping`, built from HF slices."""
     names, shapes = mapping.hf_names, mapping.hf_shapes
-    if partition_dim is None or (size == 1 and layout is Layout.COPY):
-        assert layout is Layout.COPY, (layout, mapping.megatron_name)
+    if partition_dim is None or (size == 1 and merge is ShardMerge.COPY):
+        assert merge is ShardMerge.COPY, (merge, mapping.megatron_name)
         return read(names[0], None, 0, 0)
-    if layout is Layout.COPY:
+    if merge is ShardMerge.COPY:
         step = shapes[0][partition_dim] // size
         return read(names[0], partition_dim, rank * step, (rank + 1) * step)
-    assert partition_dim == 0, (layout, partition_dim)
-    if layout is Layout.VOCAB:
+    assert partition_dim == 0, (merge, partition_dim)
+    if merge is ShardMerge.VOCAB:
         return _read_padded_rows(
             read,
             names[0],
@@ -103,7 +103,7 @@ def read_shard(
             rank=rank,
             trailing=shapes[0][1:],
         )
-    if layout is Layout.QKV:
+    if merge is ShardMerge.QKV:
         groups = attention.num_query_groups // size
         q_rows = groups * attention.heads_per_group * attention.head_dim
         kv_rows = groups * attention.head_dim
@@ -113,12 +113,12 @@ def read_shard(
         rest = tuple(q.shape[1:])
         parts = [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)]
         return torch.cat(parts, dim=1).reshape(groups * attention.rows_per_group, *rest)
-    if layout is Layout.GATE_UP:
+    if merge is ShardMerge.GATE_UP:
         step = shapes[0][0] // size
         gate = read(names[0], 0, rank * step, (rank + 1) * step)
         up = read(names[1], 0, rank * step, (rank + 1) * step)
         return torch.cat([gate, up], dim=0)
-    raise AssertionError(layout)
+    raise AssertionError(merge)
 
 
 def _split_qkv(shard: torch.Tensor, attention: AttentionDims) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,7 @@
 """What one pipeline stage exports, as pure metadata: local parameters -> canonical names -> atomic units.
 
 `collect_local_params` walks the model once (names, shapes, partition attributes; no tensor data).
-`plan_units` is a pure function of those records, the parallel layout and a converter; the gather and
+`plan_units` is a pure function of those records, the parallel coords and a converter; the gather and
 `export_metadata` both use it, so the metadata a planner sees is exactly the order the gather yields.
 """
 
@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from miles_sync.export.converter import Converter, TensorMapping
+from miles_sync.export.units import unit_slot
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
+class ParallelCoords:
     """This rank's coordinates in the megatron-core parallel grid (dense and expert grids)."""
 
     tp_rank: int
@@ -47,10 +48,10 @@ class ParallelLayout:
         return self.dp_rank == 0 and self.tp_rank == 0
 
     @classmethod
-    def from_parallel_state(cls) -> ParallelLayout:
+    def from_parallel_state(cls) -> ParallelCoords:
         from megatron.core import parallel_state as ps
 
-        layout = cls(
+        coords = cls(
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
@@ -63,8 +64,8 @@ class ParallelLayout:
             edp_rank=ps.get_expert_data_parallel_rank(),
         )
         # The dense source must also be the expert source, or experts would be collected on another rank.
-        assert not layout.is_source or (layout.ep_rank == 0 and layout.etp_rank == 0 and layout.edp_rank == 0), layout
-        return layout
+        assert not coords.is_source or (coords.ep_rank == 0 and coords.etp_rank == 0 and coords.edp_rank == 0), coords
+        return coords
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +141,7 @@ def plan_units(
     params: Sequence[LocalParam],
     *,
     converter: Converter,
-    layout: ParallelLayout,
+    coords: ParallelCoords,
     dtype: torch.dtype | None = None,
 ) -> list[UnitPlan]:
     """Exported atomic units of this stage, in the order every rank of the stage iterates them. Pure.
@@ -155,7 +156,7 @@ def plan_units(
     while index < len(params):
         param = params[index]
         if not param.is_expert:
-            plans.append(_plan(param, converter=converter, layout=layout, owner=None, num_local_experts=0))
+            plans.append(_plan(param, converter=converter, coords=coords, owner=None, num_local_experts=0))
             index += 1
             continue
         # A run of expert parameters of one MoE layer: emit it once per owning EP rank.
@@ -163,47 +164,47 @@ def plan_units(
         prefix = _expert_block(param)
         while run_end < len(params) and params[run_end].is_expert and _expert_block(params[run_end]) == prefix:
             run_end += 1
-        for owner in range(layout.ep_size):
+        for owner in range(coords.ep_size):
             for p in params[index:run_end]:
                 plans.append(
-                    _plan(p, converter=converter, layout=layout, owner=owner, num_local_experts=num_local_experts)
+                    _plan(p, converter=converter, coords=coords, owner=owner, num_local_experts=num_local_experts)
                 )
         index = run_end
     return _group_units([p for p in plans if p.mapping.is_exported and not p.param.is_stage_copy], dtype=dtype)
 
 
-def plan_local_params(params: Sequence[LocalParam], *, converter: Converter, layout: ParallelLayout) -> list[ParamPlan]:
+def plan_local_params(params: Sequence[LocalParam], *, converter: Converter, coords: ParallelCoords) -> list[ParamPlan]:
     """Mappings of this rank's own parameters (its experts only, aliases included): what import must fill. Pure."""
     num_local_experts = _num_local_experts(params)
     return [
         _plan(
             p,
             converter=converter,
-            layout=layout,
-            owner=layout.ep_rank if p.is_expert else None,
+            coords=coords,
+            owner=coords.ep_rank if p.is_expert else None,
             num_local_experts=num_local_experts,
         )
         for p in params
     ]
 
 
-def full_shape(param: LocalParam, *, layout: ParallelLayout) -> tuple[int, ...]:
+def full_shape(param: LocalParam, *, coords: ParallelCoords) -> tuple[int, ...]:
     """Shape of the parameter with all its tensor-parallel shards put together."""
     if param.partition_dim is None:
         return param.shape
-    size = layout.etp_size if param.is_expert else layout.tp_size
+    size = coords.etp_size if param.is_expert else coords.tp_size
     shape = list(param.shape)
     shape[param.partition_dim] *= size
     return tuple(shape)
 
 
 def _plan(
-    param: LocalParam, *, converter: Converter, layout: ParallelLayout, owner: int | None, num_local_experts: int
+    param: LocalParam, *, converter: Converter, coords: ParallelCoords, owner: int | None, num_local_experts: int
 ) -> ParamPlan:
     name = param.canonical
     if owner is not None:
         name = name.format(expert=owner * num_local_experts + param.local_expert)
-    mapping = converter.map_param(name, full_shape(param, layout=layout))
+    mapping = converter.map_param(name, full_shape(param, coords=coords))
     return ParamPlan(param=param, mapping=mapping, owner_ep_rank=owner)
 
 
@@ -213,6 +214,9 @@ def _group_units(plans: list[ParamPlan], *, dtype: torch.dtype | None) -> list[U
         grouped.setdefault(plan.mapping.unit_key, []).append(plan)
     units = []
     for key, members in grouped.items():
+        # Member order is the shared unit table's (export/units.py), the order bridge mode and HF sources use; the
+        # sort is stable, so parameters the table does not order keep model order.
+        members.sort(key=lambda m: unit_slot(m.mapping.hf_names[0])[1])
         owners = {m.owner_ep_rank for m in members}
         assert len(owners) == 1, (key, owners)
         metas = tuple(

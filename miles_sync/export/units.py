@@ -1,7 +1,15 @@
-"""The record the export streams to senders: one atomic unit of full, HF-named tensors."""
+"""The record the export streams to senders (one atomic unit of full, HF-named tensors), and the one table of
+which HF tensors form an atomic unit.
+
+`UNIT_RULES` is the single source of the grouping: the raw converters (export/raw/table.py) key their mappings by
+it, bridge mode (export/bridge.py) plans its units with it, and `units_from_hf_tensors` groups an HF state dict
+with it. Loaders fuse a layer's q/k/v (weight and bias), its gate/up, and each expert (gate/up/down) only when all
+parts arrive in one call, so those travel together; every other tensor is its own unit, keyed by its name.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -9,8 +17,64 @@ import torch
 
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
-# Projections a layer's converter emits as one unit (their Megatron parameter is fused).
-_FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+@dataclass(frozen=True, kw_only=True)
+class UnitRule:
+    """`pattern` is matched in full against an HF name; `unit` (a format string over its groups) names the unit;
+    `order` maps the value of group `part` to the tensor's position inside the unit."""
+
+    pattern: re.Pattern[str]
+    unit: str
+    order: Mapping[str, int]
+
+
+UNIT_RULES: tuple[UnitRule, ...] = (
+    UnitRule(
+        pattern=re.compile(r"(?P<prefix>.+)\.self_attn\.(?P<part>[qkv]_proj\.(?:weight|bias))"),
+        unit="{prefix}.self_attn.qkv_proj",
+        # Weights before biases: the raw gather lists linear_qkv.weight before linear_qkv.bias.
+        order={
+            "q_proj.weight": 0,
+            "k_proj.weight": 1,
+            "v_proj.weight": 2,
+            "q_proj.bias": 3,
+            "k_proj.bias": 4,
+            "v_proj.bias": 5,
+        },
+    ),
+    # One routed expert (or the shared expert): gate, up and down together. Listed before the dense gate/up rule,
+    # which would otherwise also match an expert's gate/up.
+    UnitRule(
+        pattern=re.compile(r"(?P<prefix>.+\.mlp\.(?:experts\.\d+|shared_expert))\.(?P<part>gate|up|down)_proj\.weight"),
+        unit="{prefix}",
+        order={"gate": 0, "up": 1, "down": 2},
+    ),
+    UnitRule(
+        pattern=re.compile(r"(?P<prefix>.+)\.mlp\.(?P<part>gate|up)_proj\.weight"),
+        unit="{prefix}.mlp.gate_up_proj",
+        order={"gate": 0, "up": 1},
+    ),
+)
+
+
+def unit_slot(hf_name: str) -> tuple[str, int]:
+    """(unit key, position inside the unit) of one HF tensor; a tensor no rule groups is its own unit. Pure."""
+    for rule in UNIT_RULES:
+        match = rule.pattern.fullmatch(hf_name)
+        if match is not None:
+            fields = {k: v for k, v in match.groupdict().items() if k != "part"}
+            return rule.unit.format(**fields), rule.order[match["part"]]
+    return hf_name, 0
+
+
+def group_hf_names(names: Iterable[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """(unit key, member names in unit order) for HF names, one entry per unit, in the order of each unit's first
+    name in `names`; a repeated name counts once. Pure."""
+    members: dict[str, dict[str, int]] = {}
+    for name in names:
+        key, position = unit_slot(name)
+        members.setdefault(key, {}).setdefault(name, position)
+    return [(key, tuple(sorted(group, key=group.__getitem__))) for key, group in members.items()]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,20 +98,12 @@ class ExportedUnit:
 
 
 def units_from_hf_tensors(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> list[ExportedUnit]:
-    """Atomic units over whole HF-named tensors (the tensors themselves, no copies), grouped the way the converters
-    emit them: a layer's q/k/v together, its gate/up together, every other tensor alone; in the order of `names`,
-    a group at its first member. For a source that holds an HF state dict rather than a Megatron model."""
-    units, taken = [], set()
-    for name in names:
-        if name in taken:
-            continue
-        group = [name]
-        for fused in _FUSED_PROJECTIONS:
-            for part in fused:
-                if f".{part}." in name:
-                    group = [name.replace(f".{part}.", f".{p}.") for p in fused]
-        taken.update(group)
+    """Atomic units over whole HF-named tensors (the tensors themselves, no copies), grouped by `UNIT_RULES` as the
+    converters emit them: a layer's q/k/v (weights and biases) together, its gate/up together, each expert's
+    gate/up/down together, every other tensor alone; in the order of `names`, a unit at its first member. Only the
+    tensors of `names` are units' members. For a source that holds an HF state dict rather than a Megatron model."""
+    units = []
+    for key, group in group_hf_names(names):
         metas = tuple(TensorMeta(name=n, shape=tuple(tensors[n].shape), dtype=tensors[n].dtype) for n in group)
-        unit = AtomicUnit(key=group[0], tensors=metas)
-        units.append(ExportedUnit(meta=unit, tensors=tuple(tensors[n] for n in group)))
+        units.append(ExportedUnit(meta=AtomicUnit(key=key, tensors=metas), tensors=tuple(tensors[n] for n in group)))
     return units

@@ -26,7 +26,8 @@ import torch
 from miles_sync.transport.base import EngineTarget, GroupMembership, TransportError
 from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
 from miles_sync.wire.api import EngineError
-from miles_sync.wire.bucket import FlattenedBucket, dtype_name
+from miles_sync.wire.bucket import FlattenedBucket
+from miles_sync.wire.dtypes import dtype_name
 from miles_sync.wire.protocol import (
     DestroyWeightsUpdateGroupRequest,
     LoadFormat,

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from miles_sync.weights.layout import WeightLayout, undo_layout
-from miles_sync.wire.bucket import dtype_name
+from miles_sync.wire.dtypes import dtype_name
 
 __all__ = [
     "DRAFT_PREFIX",

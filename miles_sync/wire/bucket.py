@@ -14,22 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_sync.wire.dtypes import dtype_from_name as _dtype_from_name
+from miles_sync.wire.dtypes import dtype_name as _dtype_name
+
 __all__ = [
     "AtomicUnit",
     "TensorMeta",
-    "SUPPORTED_DTYPE_NAMES",
     "BucketEntry",
     "FlattenedBucket",
     "aligned_order",
-    "dtype_from_name",
-    "dtype_name",
     "layout_from_metadata",
     "pack_bucket",
     "unpack_bucket",
 ]
 
 
-# Bare torch names, as they appear on the wire. Newer dtypes are listed only where the installed torch has them.
 @dataclass(frozen=True, kw_only=True)
 class TensorMeta:
     """Name, shape and dtype of one HF-named tensor; enough to size and place it in a bucket."""
@@ -66,47 +65,9 @@ class AtomicUnit:
         return sum(t.num_bytes for t in self.tensors)
 
 
-_DTYPE_NAMES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-)
-_DTYPES_BY_NAME: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
-_NAMES_BY_DTYPE: dict[torch.dtype, str] = {d: n for n, d in _DTYPES_BY_NAME.items()}
-SUPPORTED_DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES_BY_NAME)
-
 # Bytes are moved through a same-width integer view: a bit-exact copy for every dtype, including the ones
 # (fp8 scales, packed fp4) whose float kernels are missing on some devices.
 _BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Wire name ("bfloat16") -> torch dtype; ValueError for anything outside the allow-list."""
-    dtype = _DTYPES_BY_NAME.get(name)
-    if dtype is None:
-        raise ValueError(f"Unsupported dtype name {name!r}; supported: {', '.join(SUPPORTED_DTYPE_NAMES)}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch dtype -> bare wire name (torch.bfloat16 -> "bfloat16"); ValueError outside the allow-list."""
-    name = _NAMES_BY_DTYPE.get(dtype)
-    if name is None:
-        raise ValueError(f"Unsupported dtype {dtype}; supported: {', '.join(SUPPORTED_DTYPE_NAMES)}")
-    return name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +155,7 @@ def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], *, out: torch.Tensor 
     names = [n for n, _ in named]
     _check_unique(names)
     for _, t in named:
-        dtype_name(t.dtype)  # rejects dtypes the receiver cannot decode, before any byte moves
+        _dtype_name(t.dtype)  # rejects dtypes the receiver cannot decode, before any byte moves
     tensors = dict(named)
     metas = [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in named]
     entries = _entries_in_order(aligned_order(metas))
@@ -232,7 +193,7 @@ def layout_from_metadata(
             f"names, dtypes and shapes must have one entry per tensor; got {len(names)} names, "
             f"{len(dtypes)} dtypes, {len(shapes)} shapes"
         )
-    resolved = [d if isinstance(d, torch.dtype) else dtype_from_name(d) for d in dtypes]
+    resolved = [d if isinstance(d, torch.dtype) else _dtype_from_name(d) for d in dtypes]
     shape_tuples = [tuple(int(d) for d in s) for s in shapes]
     negative = [f"{n} {s}" for n, s in zip(names, shape_tuples) if any(d < 0 for d in s)]
     if negative:
@@ -240,7 +201,7 @@ def layout_from_metadata(
     metas = [TensorMeta(name=n, shape=s, dtype=d) for n, s, d in zip(names, shape_tuples, resolved)]
     entries = _entries_in_order(metas)
     unaligned = [
-        f"Unaligned received tensor {e.name} ({dtype_name(e.dtype)}, shape {e.shape}): offset {e.start} is not a "
+        f"Unaligned received tensor {e.name} ({_dtype_name(e.dtype)}, shape {e.shape}): offset {e.start} is not a "
         f"multiple of itemsize {e.dtype.itemsize}"
         for e in entries
         if e.start % e.dtype.itemsize != 0

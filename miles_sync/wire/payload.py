@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from miles_sync.wire.dtypes import SUPPORTED_DTYPES, dtype_name
+
 __all__ = [
     "LOAD_FORMATS",
     "FlattenedTensorMetadata",
@@ -56,26 +58,8 @@ _METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 _SHM_HANDLE = re.compile(rb"/torch_([0-9]+)_[0-9]+_[0-9]+")
 _SHM_DIR = "/dev/shm"
 
-_WEIGHT_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.float8_e4m3fnuz,
-    torch.float8_e5m2fnuz,
-    torch.float8_e8m0fnu,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint64,
-    torch.uint32,
-    torch.uint16,
-    torch.uint8,
-    torch.bool,
-)
+# Tensors may carry exactly the dtypes of the wire's one dtype table, the one the bucket layout also accepts.
+_WEIGHT_DTYPES: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
 
 
 class PayloadError(ValueError):
@@ -408,7 +392,7 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.storage", "TypedStorage"): _TYPED_STORAGE_CLASS,
     ("torch", "Size"): _make_size,
     (SGLANG_METADATA_MODULE, SGLANG_METADATA_NAME): FlattenedTensorMetadata,
-    **{("torch", str(dtype).removeprefix("torch.")): dtype for dtype in _WEIGHT_DTYPES},
+    **{("torch", dtype_name(dtype)): dtype for dtype in _WEIGHT_DTYPES},
 }
 
 

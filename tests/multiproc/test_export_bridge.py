@@ -182,7 +182,7 @@ def _check_te_shim() -> dict[str, list[str]]:
     import importlib.util
     import sys
 
-    from miles_sync.export import te_shim
+    from miles_sync.megatron import te_shim
 
     problems = []
     if not te_shim.is_shim_installed():

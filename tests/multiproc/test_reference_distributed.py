@@ -14,9 +14,10 @@ import pytest
 import torch
 from reference_server import checkpoint_tensors, checksums, generate, mtp_names, reference_server
 
-from miles_sync.transport import create_update_group, start_store_server
+from miles_sync.transport.group import create_update_group, start_store_server
 from miles_sync.weights.checksum import role_checksums
-from miles_sync.wire.bucket import dtype_name, pack_bucket
+from miles_sync.wire.bucket import pack_bucket
+from miles_sync.wire.dtypes import dtype_name
 
 GROUP = "sync-test-group"
 TIMEOUT_S = 60.0

@@ -6,16 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles_sync.wire.bucket import (
-    SUPPORTED_DTYPE_NAMES,
     BucketEntry,
     TensorMeta,
     aligned_order,
-    dtype_from_name,
-    dtype_name,
     layout_from_metadata,
     pack_bucket,
     unpack_bucket,
 )
+from miles_sync.wire.dtypes import SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES, dtype_from_name, dtype_name
 
 ROUND_TRIP_DTYPES = [
     torch.bfloat16,
@@ -265,3 +263,33 @@ def test_dtype_from_name_rejects_unknown_names(bad):
 def test_dtype_name_rejects_unsupported_dtypes():
     with pytest.raises(ValueError, match="Unsupported dtype torch.complex64; supported: .*bfloat16"):
         dtype_name(torch.complex64)
+
+
+def test_dtype_table_is_the_union_of_the_old_bucket_and_payload_lists():
+    # The bucket list had fp4/fp8-e8m0 but no wide unsigned ints; the payload list had those but no fp4.
+    for name in ("uint16", "uint32", "uint64", "float4_e2m1fn_x2", "float8_e8m0fnu", "float8_e4m3fnuz", "bool"):
+        if hasattr(torch, name):
+            assert name in SUPPORTED_DTYPE_NAMES
+    assert SUPPORTED_DTYPES == tuple(dtype_from_name(n) for n in SUPPORTED_DTYPE_NAMES)
+    assert len(set(SUPPORTED_DTYPE_NAMES)) == len(SUPPORTED_DTYPE_NAMES)
+
+
+@pytest.mark.parametrize("bad", [None, 3, torch.float32])
+def test_dtype_from_name_rejects_non_strings_with_a_value_error(bad):
+    with pytest.raises(ValueError, match="Unsupported dtype name"):
+        dtype_from_name(bad)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+def test_every_table_dtype_packs_and_lays_out(dtype):
+    raw = torch.arange(24, dtype=torch.uint8) % 2  # 0/1 bytes: valid bits for every dtype, bool included
+    t = raw.view(dtype).reshape(-1)
+    bucket = pack_bucket([("a", torch.ones(1, dtype=torch.float64)), ("t", t)])
+    entries = layout_from_metadata(
+        names=bucket.names,
+        dtypes=[dtype_name(e.dtype) for e in bucket.entries],
+        shapes=[e.shape for e in bucket.entries],
+    )
+    assert entries == bucket.entries
+    got = dict(unpack_bucket(bucket.buffer, entries))
+    assert got["t"].dtype == dtype and torch.equal(got["t"].view(torch.uint8), t.view(torch.uint8))

@@ -189,3 +189,133 @@ def test_units_equal_the_raw_converters_for_any_arrival_order(arch, layer_params
     # The bridge emits in its own order; reversed arrival still yields the raw units, member order included.
     bridge = plan_units([_meta(n) for n in reversed(hf_names)])
     assert sorted(bridge, key=lambda u: u.key) == sorted(raw, key=lambda u: u.key)
+
+
+# ---- one grouping table: raw, bridge and HF-state-dict grouping agree ------------------------------------------
+
+_NUM_EXPERTS = 4
+
+
+def _qwen3_moe_records():
+    """LocalParam records of a 2-layer Qwen3-MoE stage (4 experts, a shared expert, one MTP layer), TP=PP=EP=1."""
+    from miles_sync.export.stage import LocalParam
+
+    shapes = {
+        "linear_qkv.weight": (128, 64),
+        "experts.{expert}.linear_fc1.weight": (64, 64),
+        "experts.{expert}.linear_fc2.weight": (64, 32),
+        "shared_experts.linear_fc1.weight": (64, 64),
+        "shared_experts.linear_fc2.weight": (64, 32),
+        "shared_experts.gate_weight": (1, 64),
+        "router.weight": (_NUM_EXPERTS, 64),
+        "eh_proj.weight": (64, 128),
+        "word_embeddings.weight": (256, 64),
+        "output_layer.weight": (256, 64),
+    }
+
+    def record(name: str, local_expert: int | None = None) -> LocalParam:
+        shape = next((v for k, v in shapes.items() if name.endswith(k)), (64,))
+        return LocalParam(
+            chunk=0,
+            local_name=name,
+            canonical=name,
+            shape=shape,
+            dtype=torch.float32,
+            partition_dim=None,
+            local_expert=local_expert,
+        )
+
+    def layer(prefix: str) -> list[LocalParam]:
+        params = [record(f"{prefix}.{p}") for p in [*_ATTENTION, *_QK_NORM, *_MOE[:2]]]
+        for e in range(_NUM_EXPERTS):
+            params += [record(f"{prefix}.mlp.experts.{{expert}}.linear_fc{i}.weight", local_expert=e) for i in (1, 2)]
+        return params + [record(f"{prefix}.{p}") for p in _MOE[6:]]
+
+    return [
+        record("embedding.word_embeddings.weight"),
+        *layer("decoder.layers.0"),
+        *layer("decoder.layers.1"),
+        record("decoder.final_layernorm.weight"),
+        record("output_layer.weight"),
+        *(record(f"mtp.layers.0.{p}") for p in ("enorm.weight", "hnorm.weight", "eh_proj.weight")),
+        *(record(f"mtp.layers.0.transformer_layer.{p}") for p in [*_ATTENTION, *_QK_NORM, *_MLP]),
+        record("mtp.layers.0.final_layernorm.weight"),
+    ]
+
+
+def test_raw_bridge_and_hf_grouping_agree_and_group_experts_per_expert():
+    import random
+
+    from miles_sync.export.raw import create_converter
+    from miles_sync.export.stage import ParallelCoords
+    from miles_sync.export.stage import plan_units as raw_plan_units
+    from miles_sync.export.units import units_from_hf_tensors
+
+    config = SimpleNamespace(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        head_dim=16,
+        vocab_size=250,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    )
+    grid = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, ep_rank=0, ep_size=1, etp_rank=0, etp_size=1)
+    coords = ParallelCoords(**grid, dp_rank=0, edp_rank=0)
+    raw_units = [
+        u.meta
+        for u in raw_plan_units(_qwen3_moe_records(), converter=create_converter("qwen3_moe", config), coords=coords)
+    ]
+    metas = {m.name: m for u in raw_units for m in u.tensors}
+    names = list(metas)
+    random.Random(0).shuffle(names)  # bridge and HF sources list tensors in an order of their own
+
+    def groups(units) -> dict[str, tuple[str, ...]]:
+        return {u.key: tuple(m.name for m in u.tensors) for u in units}
+
+    raw = groups(raw_units)
+    bridge = groups(plan_units([metas[n] for n in names]))
+    tensors = {n: torch.zeros(m.shape, dtype=m.dtype) for n, m in metas.items()}
+    hf = groups(u.meta for u in units_from_hf_tensors(tensors, names))
+    assert raw == bridge == hf
+    assert len(raw) == len(raw_units)  # no unit key repeats
+
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}.mlp"
+        for e in range(_NUM_EXPERTS):
+            assert raw[f"{prefix}.experts.{e}"] == tuple(f"{prefix}.experts.{e}.{p}_proj.weight" for p in _GATE_UP_DOWN)
+        assert raw[f"{prefix}.shared_expert"] == tuple(f"{prefix}.shared_expert.{p}_proj.weight" for p in _GATE_UP_DOWN)
+        assert raw[f"{prefix}.gate.weight"] == (f"{prefix}.gate.weight",)  # the router travels alone
+        assert f"model.layers.{layer}.self_attn.qkv_proj" in raw
+    assert raw["model.layers.2.mlp.gate_up_proj"] == (
+        "model.layers.2.mlp.gate_proj.weight",
+        "model.layers.2.mlp.up_proj.weight",
+    )
+    assert raw["model.layers.2.eh_proj.weight"] == ("model.layers.2.eh_proj.weight",)
+
+
+_GATE_UP_DOWN = ("gate", "up", "down")
+
+
+def test_hf_grouping_keeps_first_member_order_and_groups_qkv_bias_with_weights():
+    from miles_sync.export.units import group_hf_names
+
+    names = [
+        f"{L}.self_attn.v_proj.bias",
+        "model.norm.weight",
+        f"{L}.self_attn.q_proj.weight",
+        f"{L}.mlp.experts.7.down_proj.weight",
+        f"{L}.self_attn.k_proj.weight",
+        f"{L}.self_attn.v_proj.weight",
+        f"{L}.mlp.experts.7.up_proj.weight",
+        f"{L}.mlp.experts.7.gate_proj.weight",
+        "model.norm.weight",  # a repeat counts once
+    ]
+    assert group_hf_names(names) == [
+        (
+            f"{L}.self_attn.qkv_proj",
+            tuple(f"{L}.self_attn.{p}" for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "v_proj.bias")),
+        ),
+        ("model.norm.weight", ("model.norm.weight",)),
+        (f"{L}.mlp.experts.7", tuple(f"{L}.mlp.experts.7.{p}_proj.weight" for p in _GATE_UP_DOWN)),
+    ]

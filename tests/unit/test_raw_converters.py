@@ -1,4 +1,4 @@
-"""Raw converters without processes: layouts (shards <-> HF, both directions), name tables, stage planning."""
+"""Raw converters without processes: shard merges (shards <-> HF, both directions), name tables, stage planning."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import types
 import pytest
 import torch
 
-from miles_sync.export import layouts
-from miles_sync.export.converter import Layout, TensorMapping
+from miles_sync.export import shard_merge
+from miles_sync.export.converter import ShardMerge, TensorMapping
 from miles_sync.export.raw import SUPPORTED_ARCHS, create_converter
-from miles_sync.export.stage import LocalParam, ParallelLayout, collect_local_params, plan_local_params, plan_units
+from miles_sync.export.stage import LocalParam, ParallelCoords, collect_local_params, plan_local_params, plan_units
 from miles_sync.export.units import ExportedUnit
 from miles_sync.megatron.model_builder import padded_vocab_size, transformer_config_from_hf
 from miles_sync.parity.cli import ParityResult, first_difference, split_mtp
 from miles_sync.parity.harness import ParityCase
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
-ATTENTION = layouts.AttentionDims(num_query_groups=2, heads_per_group=2, head_dim=4)  # 4 q heads, 2 kv heads
+ATTENTION = shard_merge.AttentionDims(num_query_groups=2, heads_per_group=2, head_dim=4)  # 4 q heads, 2 kv heads
 
 
 def hf_config(**overrides):
@@ -35,13 +35,13 @@ def hf_config(**overrides):
     return types.SimpleNamespace(**fields)
 
 
-def mapping(layout: Layout, megatron_shape: tuple[int, ...], hf_names: tuple[str, ...], *, vocab_size: int = 10):
-    shapes = layouts.hf_shapes(layout, megatron_shape, attention=ATTENTION, vocab_size=vocab_size)
+def mapping(merge: ShardMerge, megatron_shape: tuple[int, ...], hf_names: tuple[str, ...], *, vocab_size: int = 10):
+    shapes = shard_merge.hf_shapes(merge, megatron_shape, attention=ATTENTION, vocab_size=vocab_size)
     return TensorMapping(
         megatron_name="x",
         megatron_shape=megatron_shape,
         unit_key="u",
-        layout=layout,
+        merge=merge,
         hf_names=hf_names,
         hf_shapes=shapes,
     )
@@ -65,14 +65,14 @@ class RecordingReader:
 def shards_of(m: TensorMapping, hf: dict[str, torch.Tensor], *, partition_dim: int | None, size: int):
     reader = RecordingReader(hf)
     shards = [
-        layouts.read_shard(m.layout, m, reader, partition_dim=partition_dim, rank=r, size=size, attention=ATTENTION)
+        shard_merge.read_shard(m.merge, m, reader, partition_dim=partition_dim, rank=r, size=size, attention=ATTENTION)
         for r in range(size)
     ]
     return shards, reader.requests
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Layouts: known answers and round trips, for every layout and TP size.
+# Shard merges: known answers and round trips, for every merge and TP size.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -83,48 +83,48 @@ def test_qkv_merge_splits_megatron_groups_into_q_k_v() -> None:
     k = 1000 + torch.arange(8 * hidden, dtype=torch.float32).reshape(8, hidden)
     v = 2000 + torch.arange(8 * hidden, dtype=torch.float32).reshape(8, hidden)
     fused = torch.cat([q[:8], k[:4], v[:4], q[8:], k[4:], v[4:]])
-    merged = layouts.merge_shards(Layout.QKV, [fused], partition_dim=0, attention=ATTENTION, vocab_size=0)
+    merged = shard_merge.merge_shards(ShardMerge.QKV, [fused], partition_dim=0, attention=ATTENTION, vocab_size=0)
     assert all(torch.equal(a, b) for a, b in zip(merged, (q, k, v), strict=True))
     # TP=2 holds one group per rank: the shards are exactly the two halves of the fused tensor.
     halves = list(fused.chunk(2))
-    merged = layouts.merge_shards(Layout.QKV, halves, partition_dim=0, attention=ATTENTION, vocab_size=0)
+    merged = shard_merge.merge_shards(ShardMerge.QKV, halves, partition_dim=0, attention=ATTENTION, vocab_size=0)
     assert all(torch.equal(a, b) for a, b in zip(merged, (q, k, v), strict=True))
 
 
 def test_gate_up_shards_hold_their_own_gate_and_up_halves() -> None:
     gate, up = torch.randn(8, 3), torch.randn(8, 3)
     shards = [torch.cat([gate[:4], up[:4]]), torch.cat([gate[4:], up[4:]])]
-    merged = layouts.merge_shards(Layout.GATE_UP, shards, partition_dim=0, attention=ATTENTION, vocab_size=0)
+    merged = shard_merge.merge_shards(ShardMerge.GATE_UP, shards, partition_dim=0, attention=ATTENTION, vocab_size=0)
     assert torch.equal(merged[0], gate) and torch.equal(merged[1], up)
 
 
 def test_vocab_padding_is_trimmed_on_export_and_zero_on_import() -> None:
     embed = torch.randn(10, 3)
-    m = mapping(Layout.VOCAB, (16, 3), ("embed",))
+    m = mapping(ShardMerge.VOCAB, (16, 3), ("embed",))
     shards, _ = shards_of(m, {"embed": embed}, partition_dim=0, size=2)
     assert [tuple(s.shape) for s in shards] == [(8, 3), (8, 3)]
     assert torch.equal(shards[1][2:], torch.zeros(6, 3))
-    (merged,) = layouts.merge_shards(Layout.VOCAB, shards, partition_dim=0, attention=ATTENTION, vocab_size=10)
+    (merged,) = shard_merge.merge_shards(ShardMerge.VOCAB, shards, partition_dim=0, attention=ATTENTION, vocab_size=10)
     assert torch.equal(merged, embed)
 
 
 CASES = [
-    (Layout.COPY, (8, 6), 0, ("w",)),
-    (Layout.COPY, (8, 6), 1, ("w",)),
-    (Layout.COPY, (8,), None, ("norm",)),
-    (Layout.QKV, (32, 6), 0, ("q", "k", "v")),
-    (Layout.QKV, (32,), 0, ("qb", "kb", "vb")),
-    (Layout.GATE_UP, (16, 6), 0, ("gate", "up")),
-    (Layout.VOCAB, (16, 6), 0, ("embed",)),
+    (ShardMerge.COPY, (8, 6), 0, ("w",)),
+    (ShardMerge.COPY, (8, 6), 1, ("w",)),
+    (ShardMerge.COPY, (8,), None, ("norm",)),
+    (ShardMerge.QKV, (32, 6), 0, ("q", "k", "v")),
+    (ShardMerge.QKV, (32,), 0, ("qb", "kb", "vb")),
+    (ShardMerge.GATE_UP, (16, 6), 0, ("gate", "up")),
+    (ShardMerge.VOCAB, (16, 6), 0, ("embed",)),
 ]
 
 
 @pytest.mark.parametrize(
-    "layout, megatron_shape, partition_dim, names, size",
+    "merge, megatron_shape, partition_dim, names, size",
     [(*case, size) for case in CASES for size in (1, 2) if case[2] is not None or size == 1],  # replicas: no split
 )
-def test_import_then_export_is_bit_exact(layout, megatron_shape, partition_dim, names, size) -> None:
-    m = mapping(layout, megatron_shape, names)
+def test_import_then_export_is_bit_exact(merge, megatron_shape, partition_dim, names, size) -> None:
+    m = mapping(merge, megatron_shape, names)
     generator = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(s, generator=generator) for n, s in zip(names, m.hf_shapes, strict=True)}
     shards, requests = shards_of(m, hf, partition_dim=partition_dim, size=size)
@@ -135,7 +135,7 @@ def test_import_then_export_is_bit_exact(layout, megatron_shape, partition_dim, 
     if size > 1:
         # Each rank read only slices: nothing whole, and every slice a 1/size part (vocab: clipped to the HF rows).
         assert all(dim is not None for _, dim, _, _ in requests)
-    merged = layouts.merge_shards(layout, shards, partition_dim=partition_dim, attention=ATTENTION, vocab_size=10)
+    merged = shard_merge.merge_shards(merge, shards, partition_dim=partition_dim, attention=ATTENTION, vocab_size=10)
     assert all(torch.equal(merged[i], hf[n]) for i, n in enumerate(names))
 
 
@@ -211,7 +211,7 @@ def test_qwen2_names(name, shape, hf_names, unit) -> None:
     assert m.is_exported
 
 
-def test_hf_shapes_follow_the_layout() -> None:
+def test_hf_shapes_follow_the_merge() -> None:
     converter = create_converter("qwen2", hf_config())
     assert converter.map_param("decoder.layers.0.self_attention.linear_qkv.weight", (32, 8)).hf_shapes == (
         (16, 8),
@@ -268,12 +268,12 @@ def test_unsupported_arch_names_it_and_the_supported_list() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def layout(**overrides) -> ParallelLayout:
+def coords(**overrides) -> ParallelCoords:
     fields = dict(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, ep_rank=0, ep_size=1, etp_rank=0, etp_size=1, dp_rank=0, edp_rank=0
     )
     fields.update(overrides)
-    return ParallelLayout(**fields)
+    return ParallelCoords(**fields)
 
 
 def sharded(shape: tuple[int, ...], dim: int) -> torch.nn.Parameter:
@@ -338,7 +338,7 @@ def test_canonical_names_use_global_layers_and_expert_placeholders() -> None:
 def test_experts_expand_to_every_ep_rank_in_global_id_order() -> None:
     records = collect_local_params([stage_model(first_layer_number=1, num_local_experts=2, grouped=False)])
     converter = create_converter("qwen3_moe", hf_config(model_type="qwen3_moe", num_hidden_layers=1))
-    units = plan_units(records, converter=converter, layout=layout(ep_rank=1, ep_size=2, etp_size=2))
+    units = plan_units(records, converter=converter, coords=coords(ep_rank=1, ep_size=2, etp_size=2))
     experts = [u for u in units if ".experts." in u.meta.key]
     assert [u.meta.key for u in experts] == [f"model.layers.0.mlp.experts.{e}" for e in range(4)]
     assert [u.owner_ep_rank for u in experts] == [0, 0, 1, 1]
@@ -352,7 +352,7 @@ def test_experts_expand_to_every_ep_rank_in_global_id_order() -> None:
     assert "model.embed_tokens.weight" not in keys  # a later stage's embedding copy is not exported twice
     assert keys[-1] == "model.layers.1.enorm.weight"
     # Import fills this rank's own experts (global ids 2 and 3) and the embedding copy too.
-    local = plan_local_params(records, converter=converter, layout=layout(ep_rank=1, ep_size=2, etp_size=2))
+    local = plan_local_params(records, converter=converter, coords=coords(ep_rank=1, ep_size=2, etp_size=2))
     assert {p.mapping.megatron_name for p in local if p.param.is_expert} == {
         f"decoder.layers.0.mlp.experts.{e}.linear_fc{i}.weight" for e in (2, 3) for i in (1, 2)
     }
@@ -367,7 +367,7 @@ def test_qkv_weight_and_bias_form_one_unit() -> None:
             ("decoder.layers.0.self_attention.linear_qkv.bias", (16,)),
         )
     ]
-    (unit,) = plan_units(records, converter=create_converter("qwen2", hf_config()), layout=layout(tp_size=2))
+    (unit,) = plan_units(records, converter=create_converter("qwen2", hf_config()), coords=coords(tp_size=2))
     assert unit.meta.key == "model.layers.0.self_attn.qkv_proj"
     assert [m.name.split("self_attn.")[1] for m in unit.meta.tensors] == [
         "q_proj.weight",
@@ -432,3 +432,28 @@ def test_parity_case_validation_names_each_problem() -> None:
         ParityCase(arch="qwen3", tp=2, pp=2, ep=2, num_layers=3).validate(world_size=4)
     message = str(info.value)
     assert "ep=2" in message and "num_layers=3" in message
+
+
+def test_unit_keys_come_from_the_shared_unit_table() -> None:
+    from miles_sync.export.raw.rules import Rule
+    from miles_sync.export.raw.table import RuleConverter
+    from miles_sync.export.units import unit_slot
+
+    converter = create_converter("qwen3_moe", hf_config(model_type="qwen3_moe"))
+    for name, shape in (
+        ("decoder.layers.1.self_attention.linear_qkv.weight", (32, 8)),
+        ("decoder.layers.1.mlp.experts.5.linear_fc1.weight", (8, 8)),
+        ("decoder.layers.1.mlp.experts.5.linear_fc2.weight", (8, 4)),
+        ("decoder.layers.1.mlp.shared_experts.linear_fc2.weight", (8, 4)),
+        ("decoder.layers.1.mlp.router.weight", (4, 8)),
+        ("mtp.layers.0.eh_proj.weight", (8, 16)),
+    ):
+        m = converter.map_param(name, shape)
+        assert {unit_slot(n)[0] for n in m.hf_names} == {m.unit_key}
+
+    class Straddling(RuleConverter):
+        arch = "straddling"
+        layer_rules = (Rule(pattern=r"fused\.weight", hf_names=("mlp.gate_proj.weight", "self_attn.q_proj.weight")),)
+
+    with pytest.raises(ValueError, match="one parameter's tensors must fill one unit"):
+        Straddling(hf_config()).map_param("decoder.layers.0.fused.weight", (8, 8))

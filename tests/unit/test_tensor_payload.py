@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles_sync.wire import payload as tp
-from miles_sync.wire.bucket import pack_bucket
+from miles_sync.wire.bucket import layout_from_metadata, pack_bucket
+from miles_sync.wire.dtypes import SUPPORTED_DTYPES, dtype_name
 from miles_sync.wire.payload import FlattenedTensorMetadata, PayloadError, decode_payload
 
 DTYPES = [
@@ -266,3 +267,40 @@ def test_forged_shared_memory_handles_are_refused():
     ]:
         with pytest.raises(PayloadError, match=needle):
             decode_payload(_b64(pickle.dumps([("a", Forged(*args))])), load_format=None)
+
+
+# ---- one dtype table --------------------------------------------------------------------------------------------
+
+
+def _bytes_as(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """`numel` elements of `dtype` from 0/1 bytes (valid bits for every dtype, bool included)."""
+    raw = torch.arange(numel * dtype.itemsize, dtype=torch.uint8) % 2
+    return raw.view(dtype).reshape(numel)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+def test_colocated_codec_accepts_every_dtype_the_bucket_layout_accepts(dtype):
+    # The distributed path (bucket layout from wire names) and the colocated path (payload codec) accept the same
+    # dtypes: a bucket packed for one decodes on the other.
+    named = [("wide", _bytes_as(torch.int64, 3)), ("t", _bytes_as(dtype, 5))]
+    bucket = pack_bucket(named)
+    names = [dtype_name(e.dtype) for e in bucket.entries]
+    assert layout_from_metadata(names=bucket.names, dtypes=names, shapes=[e.shape for e in bucket.entries]) == (
+        bucket.entries
+    )
+    payload = tp.encode_flattened_bucket(buffer=bucket.buffer, metadata=_flattened_metadata(bucket))
+    _assert_same(named, decode_payload(payload, load_format="flattened_bucket"))
+    _assert_same(named, decode_payload(tp.encode_named_tensors(named), load_format="direct"))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_both_paths_refuse_dtypes_outside_the_table(dtype):
+    with pytest.raises(ValueError, match="Unsupported dtype"):
+        pack_bucket([("t", torch.zeros(2, dtype=dtype))])
+    buffer = torch.zeros(dtype.itemsize, dtype=torch.uint8)
+    metadata = [_meta(dtype=dtype, shape=(1,), start_idx=0, end_idx=dtype.itemsize, numel=dtype.itemsize)]
+    with pytest.raises(PayloadError, match="unsupported dtype"):
+        tp.encode_flattened_bucket(buffer=buffer, metadata=metadata)
+    # A forged payload cannot even name the dtype: it is not an allow-listed global.
+    with pytest.raises(PayloadError, match=f"torch.{str(dtype).removeprefix('torch.')}, which is outside"):
+        decode_payload(_flattened(buffer, metadata), load_format="flattened_bucket")

@@ -1,14 +1,14 @@
 """Qwen3-MoE: Qwen3 layers whose MLP may be a router plus experts (and a gated shared expert when configured).
 
-Each routed expert is one atomic unit (gate, up, down). Canonical names carry the *global* expert id; the gather
-renumbers expert-parallel local experts, and canonicalizes TEGroupedMLP's `experts.linear_fc1.weight{j}` into
-SequentialMLP's `experts.{e}.linear_fc1.weight`, before names reach this table.
+Each routed expert is one atomic unit (gate, up, down; `UNIT_RULES` of export/units.py groups them). Canonical names
+carry the *global* expert id; the gather renumbers expert-parallel local experts, and canonicalizes TEGroupedMLP's
+`experts.linear_fc1.weight{j}` into SequentialMLP's `experts.{e}.linear_fc1.weight`, before names reach this table.
 Shared experts follow the Qwen2-MoE names (`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`).
 """
 
 from __future__ import annotations
 
-from miles_sync.export.converter import Layout
+from miles_sync.export.converter import ShardMerge
 from miles_sync.export.raw.rules import DENSE_LAYER_RULES, QK_NORM_RULES, Rule, copy_rule
 from miles_sync.export.raw.table import RuleConverter
 
@@ -17,25 +17,15 @@ MOE_RULES: tuple[Rule, ...] = (
     Rule(
         pattern=r"mlp\.experts\.(?P<expert>\d+)\.linear_fc1\.weight",
         hf_names=("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
-        layout=Layout.GATE_UP,
-        unit="mlp.experts.{expert}",
+        merge=ShardMerge.GATE_UP,
     ),
-    Rule(
-        pattern=r"mlp\.experts\.(?P<expert>\d+)\.linear_fc2\.weight",
-        hf_names=("mlp.experts.{expert}.down_proj.weight",),
-        unit="mlp.experts.{expert}",
-    ),
+    copy_rule(r"mlp\.experts\.(?P<expert>\d+)\.linear_fc2\.weight", "mlp.experts.{expert}.down_proj.weight"),
     Rule(
         pattern=r"mlp\.shared_experts\.linear_fc1\.weight",
         hf_names=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-        layout=Layout.GATE_UP,
-        unit="mlp.shared_expert",
+        merge=ShardMerge.GATE_UP,
     ),
-    Rule(
-        pattern=r"mlp\.shared_experts\.linear_fc2\.weight",
-        hf_names=("mlp.shared_expert.down_proj.weight",),
-        unit="mlp.shared_expert",
-    ),
+    copy_rule(r"mlp\.shared_experts\.linear_fc2\.weight", "mlp.shared_expert.down_proj.weight"),
     copy_rule(r"mlp\.shared_experts\.gate_weight", "mlp.shared_expert_gate.weight"),
 )
 

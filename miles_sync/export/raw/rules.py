@@ -1,24 +1,23 @@
 """Name rules shared by the raw families: a rule matches the part of a canonical megatron name after its layer
-prefix (`decoder.layers.{i}.`) and names the HF tensors it becomes, relative to `model.layers.{i}.`."""
+prefix (`decoder.layers.{i}.`) and names the HF tensors it becomes, relative to `model.layers.{i}.`.
+
+Rules say nothing about atomic units: which HF tensors travel together comes from the one grouping table,
+`UNIT_RULES` of export/units.py, which bridge mode and HF-state-dict sources use too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles_sync.export.converter import Layout
+from miles_sync.export.converter import ShardMerge
 
 
 @dataclass(frozen=True, kw_only=True)
 class Rule:
-    """`pattern` is matched in full; its named groups fill the `{...}` fields of `hf_names` and `unit`.
-
-    `unit` is the atomic unit's key relative to the layer prefix; None makes the (single) HF tensor its own unit.
-    """
+    """`pattern` is matched in full; its named groups fill the `{...}` fields of `hf_names`."""
 
     pattern: str
     hf_names: tuple[str, ...]
-    layout: Layout = Layout.COPY
-    unit: str | None = None
+    merge: ShardMerge = ShardMerge.COPY
 
 
 def copy_rule(pattern: str, hf_name: str) -> Rule:
@@ -32,16 +31,14 @@ DENSE_LAYER_RULES: tuple[Rule, ...] = (
     Rule(
         pattern=r"self_attention\.linear_qkv\.weight",
         hf_names=("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        layout=Layout.QKV,
-        unit="self_attn.qkv_proj",
+        merge=ShardMerge.QKV,
     ),
     copy_rule(r"self_attention\.linear_proj\.weight", "self_attn.o_proj.weight"),
     copy_rule(r"pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight", "post_attention_layernorm.weight"),
     Rule(
         pattern=r"mlp\.linear_fc1\.weight",
         hf_names=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        layout=Layout.GATE_UP,
-        unit="mlp.gate_up_proj",
+        merge=ShardMerge.GATE_UP,
     ),
     copy_rule(r"mlp\.linear_fc2\.weight", "mlp.down_proj.weight"),
 )
@@ -49,8 +46,7 @@ DENSE_LAYER_RULES: tuple[Rule, ...] = (
 QKV_BIAS_RULE = Rule(
     pattern=r"self_attention\.linear_qkv\.bias",
     hf_names=("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    layout=Layout.QKV,
-    unit="self_attn.qkv_proj",  # same unit as the weight: loaders fuse q/k/v weight and bias together
+    merge=ShardMerge.QKV,  # the same unit as the weight (export/units.py): loaders fuse q/k/v weight and bias together
 )
 
 QK_NORM_RULES: tuple[Rule, ...] = (

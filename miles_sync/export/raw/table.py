@@ -2,6 +2,7 @@
 
 Decoder layer i maps to `model.layers.{i}.`; MTP layer k of a model with L decoder layers maps to
 `model.layers.{L + k}.` (DeepSeek-V3 numbering), its transformer layer under the family's usual layer names.
+Atomic units (`TensorMapping.unit_key`) come from the HF names through the shared table of export/units.py.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_sync.export import layouts
-from miles_sync.export.converter import Layout, SliceReader, TensorMapping
+from miles_sync.export import shard_merge
+from miles_sync.export.converter import ShardMerge, SliceReader, TensorMapping
 from miles_sync.export.raw.mtp import MTP_RULES, hf_layer_index
 from miles_sync.export.raw.rules import DENSE_LAYER_RULES, Rule
+from miles_sync.export.units import unit_slot
 
 _DECODER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
@@ -38,7 +40,7 @@ class RuleConverter:
         head_dim = int(hf_config.hidden_size) // num_heads if head_dim is None else int(head_dim)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
-        self.attention = layouts.AttentionDims(
+        self.attention = shard_merge.AttentionDims(
             num_query_groups=num_kv_heads, heads_per_group=num_heads // num_kv_heads, head_dim=head_dim
         )
         self.vocab_size = int(hf_config.vocab_size)
@@ -49,13 +51,13 @@ class RuleConverter:
 
     def map_param(self, name: str, full_shape: tuple[int, ...]) -> TensorMapping:
         if name == "embedding.word_embeddings.weight":
-            return self._mapping(name, full_shape, ("model.embed_tokens.weight",), Layout.VOCAB, None)
+            return self._mapping(name, full_shape, ("model.embed_tokens.weight",), ShardMerge.VOCAB)
         if name == "output_layer.weight":
             # A tied model's last pipeline stage keeps its own copy of the embedding: import it, never export it.
             hf_name = "model.embed_tokens.weight" if self.is_tied else "lm_head.weight"
-            return self._mapping(name, full_shape, (hf_name,), Layout.VOCAB, None, is_exported=not self.is_tied)
+            return self._mapping(name, full_shape, (hf_name,), ShardMerge.VOCAB, is_exported=not self.is_tied)
         if name == "decoder.final_layernorm.weight":
-            return self._mapping(name, full_shape, ("model.norm.weight",), Layout.COPY, None)
+            return self._mapping(name, full_shape, ("model.norm.weight",), ShardMerge.COPY)
         match = _DECODER_LAYER.fullmatch(name)
         if match is not None:
             return self._match_rules(name, full_shape, f"model.layers.{int(match[1])}.", match[2], self._layer_rules)
@@ -73,8 +75,8 @@ class RuleConverter:
     def to_hf(
         self, mapping: TensorMapping, shards: Sequence[torch.Tensor], *, partition_dim: int | None
     ) -> tuple[torch.Tensor, ...]:
-        return layouts.merge_shards(
-            mapping.layout, shards, partition_dim=partition_dim, attention=self.attention, vocab_size=self.vocab_size
+        return shard_merge.merge_shards(
+            mapping.merge, shards, partition_dim=partition_dim, attention=self.attention, vocab_size=self.vocab_size
         )
 
     def read_shard(
@@ -90,8 +92,8 @@ class RuleConverter:
         def read_as(hf_name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
             return read(hf_name, dim, start, stop).to(dtype)
 
-        shard = layouts.read_shard(
-            mapping.layout,
+        shard = shard_merge.read_shard(
+            mapping.merge,
             mapping,
             read_as,
             partition_dim=partition_dim,
@@ -115,8 +117,7 @@ class RuleConverter:
                 continue
             fields = match.groupdict()
             hf_names = tuple(prefix + n.format(**fields) for n in rule.hf_names)
-            unit = None if rule.unit is None else prefix + rule.unit.format(**fields)
-            return self._mapping(name, full_shape, hf_names, rule.layout, unit)
+            return self._mapping(name, full_shape, hf_names, rule.merge)
         raise ValueError(f"{self.arch} converter has no mapping for megatron parameter {name!r}")
 
     def _mapping(
@@ -124,17 +125,23 @@ class RuleConverter:
         name: str,
         full_shape: tuple[int, ...],
         hf_names: tuple[str, ...],
-        layout: Layout,
-        unit: str | None,
+        merge: ShardMerge,
         *,
         is_exported: bool = True,
     ) -> TensorMapping:
-        shapes = layouts.hf_shapes(layout, full_shape, attention=self.attention, vocab_size=self.vocab_size)
+        # One parameter's HF tensors always travel together, in the unit order the shared table gives them.
+        slots = [unit_slot(n) for n in hf_names]
+        if len({key for key, _ in slots}) != 1 or [p for _, p in slots] != sorted({p for _, p in slots}):
+            raise ValueError(
+                f"{self.arch} converter maps {name!r} to {list(hf_names)}, which the unit table (export/units.py) "
+                f"places at {slots}: one parameter's tensors must fill one unit in ascending positions"
+            )
+        shapes = shard_merge.hf_shapes(merge, full_shape, attention=self.attention, vocab_size=self.vocab_size)
         return TensorMapping(
             megatron_name=name,
             megatron_shape=tuple(full_shape),
-            unit_key=hf_names[0] if unit is None else unit,
-            layout=layout,
+            unit_key=slots[0][0],
+            merge=merge,
             hf_names=hf_names,
             hf_shapes=shapes,
             is_exported=is_exported,
