@@ -1,4 +1,4 @@
-"""Start or join the Ray cluster a run uses, keeping a local one on loopback (DESIGN.md section 7)."""
+"""Start or join the Ray cluster a run uses; a local one binds its processes to loopback (127.0.0.1) only."""
 
 from __future__ import annotations
 

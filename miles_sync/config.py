@@ -27,12 +27,13 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 from miles_sync.engine.kinds import EngineKind
 from miles_sync.engine.settings import EngineSettings, FinalizePolicy
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.selector import SelectorMode, selector_input_problems
 from miles_sync.transport.base import TransportKind
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.codec import decode, encode
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import PauseMode
+from miles_sync.wire.text import raise_if
 
 __all__ = [
     "DEFAULT_CONFIG_DIR",
@@ -79,7 +80,7 @@ class SyncConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 problems.append(f"{name}={value} must be a positive number of seconds")
-        _raise_if(problems)
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +109,7 @@ class EngineConfig:
             problems.append(f"urls {list(self.urls)} repeat a server")
         if self.spec_steps < 1:
             problems.append(f"spec_steps={self.spec_steps} must be at least 1")
-        _raise_if(problems)
+        raise_if(problems)
 
     def launch_settings(
         self, *, model_dir: str, draft_dir: str | None = None, collective_timeout_s: float | None = None
@@ -148,7 +149,7 @@ class TrainerConfig:
             problems.append(f"ep={self.ep} must divide tp*dp={self.tp}*{self.dp}={self.tp * self.dp}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             problems.append(f"lr={self.lr} must be positive")
-        _raise_if(problems)
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,12 +163,10 @@ class ModelConfig:
         problems = []
         if not self.arch.strip():
             problems.append("arch must not be empty")
-        if self.speculative_algorithm is not None and not self.speculative_algorithm.strip():
-            algorithm = self.speculative_algorithm
-            problems.append(f"speculative_algorithm={algorithm!r} must be null (off) or a non-empty name")
-        if self.num_trained_mtp_layers < 0:
-            problems.append(f"num_trained_mtp_layers={self.num_trained_mtp_layers} must be non-negative")
-        _raise_if(problems)
+        problems += selector_input_problems(
+            speculative_algorithm=self.speculative_algorithm, num_trained_mtp_layers=self.num_trained_mtp_layers
+        )
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +188,7 @@ class RolloutConfig:
         problems = [f"{name}={value} must be at least 1" for name, value in counts.items() if value < 1]
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature={self.temperature} must be a non-negative number")
-        _raise_if(problems)
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +230,7 @@ class MilesSyncConfig:
                 f"model.speculative_algorithm={self.model.speculative_algorithm!r} and "
                 f"engines.draft_kind={self.engines.draft_kind.value!r} disagree: set both or neither"
             )
-        _raise_if(problems)
+        raise_if(problems)
 
 
 def load_config(
@@ -319,11 +318,6 @@ def to_config(cfg: Mapping[str, Any] | DictConfig, *, overrides: Sequence[str] =
 def to_yaml(config: MilesSyncConfig) -> str:
     """The YAML of a config, loadable again by load_config (for run records)."""
     return OmegaConf.to_yaml(OmegaConf.create(encode(config)))
-
-
-def _raise_if(problems: list[str]) -> None:
-    if problems:
-        raise ValueError("; ".join(problems))
 
 
 def _check_overrides(overrides: Sequence[str]) -> list[str]:

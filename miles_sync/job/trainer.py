@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from miles_sync.config import TrainerConfig
-from miles_sync.sync.source import ModelSource, RankInfo, RankSendResult
+from miles_sync.sync.selector import selector_input_problems
+from miles_sync.sync.source import ModelSource, RankInfo
 from miles_sync.transport.base import FeedPlan
-from miles_sync.wire.protocol import Selector
 
 __all__ = ["TrainBatch", "TrainStepResult", "TrainerWorker"]
 
@@ -87,8 +87,7 @@ class TrainerWorker:
             problems.append(f"rank={rank} is outside [0, {trainer.world_size}) (tp*pp*dp)")
         if trainer.pp != 1 or trainer.ep != 1:
             problems.append(f"pp={trainer.pp}, ep={trainer.ep}: TrainerWorker trains with pp=1 and ep=1 only")
-        if num_trained_mtp_layers < 0:
-            problems.append(f"num_trained_mtp_layers={num_trained_mtp_layers} must be non-negative")
+        problems += selector_input_problems(speculative_algorithm=None, num_trained_mtp_layers=num_trained_mtp_layers)
         if num_threads is not None and num_threads < 1:
             problems.append(f"num_threads={num_threads} must be at least 1 (or None)")
         if not timeout_s > 0:
@@ -240,10 +239,6 @@ class TrainerWorker:
             num_tokens=int(num_tokens.item()),
             seconds=time.perf_counter() - start,
         )
-
-    def send_weights(self, *, selector: Selector) -> RankSendResult:
-        """This rank's part of a sync through a transport the controller opened (see ModelSource.send)."""
-        return self.source.send(selector=selector)
 
     def shutdown(self) -> None:
         """Release the transport, model parallelism and the process group. Idempotent."""

@@ -14,8 +14,9 @@ from collections.abc import Collection
 from miles_sync.export.registry import ConversionMode
 from miles_sync.wire.draft import DraftKind, DraftReport
 from miles_sync.wire.protocol import Role, Selector, WireEnum, selector_roles
+from miles_sync.wire.text import shorten
 
-__all__ = ["SelectorMode", "resolve_selector", "weight_update_selector"]
+__all__ = ["SelectorMode", "resolve_selector", "selector_input_problems", "weight_update_selector"]
 
 _NUM_NAMES_SHOWN = 3  # how many of a draft's parameter names an error message lists
 
@@ -97,12 +98,20 @@ def resolve_selector(
     return selector
 
 
-def _check_inputs(*, speculative_algorithm: str | None, num_trained_mtp_layers: int) -> None:
+def selector_input_problems(*, speculative_algorithm: str | None, num_trained_mtp_layers: int) -> list[str]:
+    """What is wrong with the selector's user inputs (empty: nothing). The one check: config and trainer use it."""
     problems = []
     if speculative_algorithm is not None and not speculative_algorithm.strip():
         problems.append(f"speculative_algorithm={speculative_algorithm!r} must be None (off) or a non-empty name")
     if num_trained_mtp_layers < 0:
         problems.append(f"num_trained_mtp_layers={num_trained_mtp_layers} must be non-negative")
+    return problems
+
+
+def _check_inputs(*, speculative_algorithm: str | None, num_trained_mtp_layers: int) -> None:
+    problems = selector_input_problems(
+        speculative_algorithm=speculative_algorithm, num_trained_mtp_layers=num_trained_mtp_layers
+    )
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -119,9 +128,8 @@ def _check_draft_coverage(
     if any(name in exported for name in draft.owned_names):
         return
     if draft.owned_names:
-        shown = ", ".join(repr(n) for n in draft.owned_names[:_NUM_NAMES_SHOWN])
-        more = len(draft.owned_names) - _NUM_NAMES_SHOWN
-        problem = f"the export covers none of its parameters ({shown}{f', and {more} more' if more > 0 else ''})"
+        shown = shorten(map(repr, draft.owned_names), limit=_NUM_NAMES_SHOWN)
+        problem = f"the export covers none of its parameters ({shown})"
     else:
         problem = "the engine reports no parameter names for it, so no export can feed it"
     raise ValueError(

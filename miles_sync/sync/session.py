@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
-from miles_sync.sync.sender import SendResult, WeightSource
 from miles_sync.sync.verify import EXACT, Verdict, checksum_problems, replica_verdicts, weights_digest
+from miles_sync.sync.weight_source import SendResult, WeightSource
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
+from miles_sync.wire.text import shorten
 
 __all__ = [
     "EngineBaseline",
@@ -108,7 +109,7 @@ async def run_sync_session(
     (absent: the engine is treated as partial after any failed send). `held`: URLs of engines kept paused since an
     earlier failure; they are resumed only by a session that completes on them. Mutates the engines' weights and
     version; never raises for a failed sync (it is in the report), only for programming errors."""
-    fleet = _Fleet(engines, timeout_s=timeouts.control_s, last_step="verify" if verify else "version", held=held)
+    fleet = _FleetSteps(engines, timeout_s=timeouts.control_s, last_step="verify" if verify else "version", held=held)
     clock = _PhaseClock()
     run = _Run()
     start = time.perf_counter()
@@ -150,7 +151,7 @@ async def run_sync_session(
 
 
 async def _sync(
-    fleet: _Fleet,
+    fleet: _FleetSteps,
     *,
     source: WeightSource,
     version: str,
@@ -214,7 +215,7 @@ async def choose_selector(engines: Sequence[EngineAPI], *, source: WeightSource,
     return next(iter(choices.values()))
 
 
-async def _verify_fleet(fleet: _Fleet, *, sent: Mapping[str, str], selector: Selector) -> None:
+async def _verify_fleet(fleet: _FleetSteps, *, sent: Mapping[str, str], selector: Selector) -> None:
     """Each engine passes the strongest check its checksum answer allows (miles_sync.sync.verify); raises SessionError
     naming the engine and tensors of every failure."""
     request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
@@ -224,7 +225,8 @@ async def _verify_fleet(fleet: _Fleet, *, sent: Mapping[str, str], selector: Sel
     verdicts = replica_verdicts({u: a for u, a in answers.items() if u not in hf_named}, selector=selector)
     for url in hf_named:
         problems, num_verified = checksum_problems(sent=sent, ranks=answers[url], selector=selector)
-        verdicts[url] = Verdict(passed=not problems, method=EXACT, message=_shown(problems), num_verified=num_verified)
+        message = shorten(problems, limit=_NUM_PROBLEMS_SHOWN, sep="; ")
+        verdicts[url] = Verdict(passed=not problems, method=EXACT, message=message, num_verified=num_verified)
     failures = []
     for engine in fleet.engines:
         verdict, state = verdicts[engine.url], fleet.state[engine.url]
@@ -246,7 +248,7 @@ def _checksum_names(engine: EngineAPI) -> ChecksumNames:
 
 
 async def _abandon(
-    fleet: _Fleet, *, source: WeightSource, selector: Selector | None, baselines: Mapping[str, EngineBaseline]
+    fleet: _FleetSteps, *, source: WeightSource, selector: Selector | None, baselines: Mapping[str, EngineBaseline]
 ) -> None:
     """After a failure: tear down the source's transport first (an engine blocked in a receive then fails fast and
     releases its weight lock), close every session left open so that the next begin succeeds, then find the
@@ -265,7 +267,7 @@ async def _abandon(
 
 
 async def _mark_intact(
-    fleet: _Fleet, engines: Sequence[EngineAPI], *, baselines: Mapping[str, EngineBaseline], selector: Selector
+    fleet: _FleetSteps, engines: Sequence[EngineAPI], *, baselines: Mapping[str, EngineBaseline], selector: Selector
 ) -> None:
     """Mark intact the engines among `engines` whose checksum answer for `selector`'s roles still equals their
     baseline; the others (no baseline, another selector, different, or no answer) stay possibly partial."""
@@ -296,7 +298,7 @@ class _EngineState:
     is_intact: bool = False  # checked after a failed send: still answers its baseline checksums
 
 
-class _Fleet:
+class _FleetSteps:
     """Runs one step on every engine concurrently and records, per engine, what succeeded and the first failure."""
 
     def __init__(
@@ -396,7 +398,7 @@ class _PhaseClock:
 
 
 def _report(
-    fleet: _Fleet,
+    fleet: _FleetSteps,
     run: _Run,
     clock: _PhaseClock,
     *,
@@ -449,9 +451,3 @@ def _report(
 
 
 _HELD_MESSAGE = "held paused since an earlier failed sync: may hold partial weights"
-
-
-def _shown(problems: Collection[str]) -> str:
-    items = list(problems)
-    more = len(items) - _NUM_PROBLEMS_SHOWN
-    return "; ".join(items[:_NUM_PROBLEMS_SHOWN]) + (f"; and {more} more" if more > 0 else "")

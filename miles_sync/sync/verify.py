@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from miles_sync.weights.checksum import compare_checksums
 from miles_sync.wire.protocol import RankChecksums, Selector, checksum_role, role_kind, selector_roles
+from miles_sync.wire.text import shorten
 
 __all__ = [
     "EXACT",
@@ -140,5 +141,4 @@ def _differing(ours: Sequence[Mapping[str, str]], theirs: Sequence[Mapping[str, 
         for name in sorted(a)
         if a[name] != b.get(name)
     ]
-    more = len(names) - _NUM_NAMES_SHOWN
-    return ", ".join(names[:_NUM_NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+    return shorten(names, limit=_NUM_NAMES_SHOWN)

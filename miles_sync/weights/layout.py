@@ -7,21 +7,29 @@ leading batch. The shuffle is a permutation and is NOT idempotent: applying it t
 silently corrupts them, which is why the engine must finalize only runners that received fresh bytes. Its order
 (shuffles needed to restore the tensor) is the multiplicative order of 16 mod (16C - 1); for rows of exactly 256
 bytes (C = 16) that order is 2, so a double shuffle restores and only a triple one shows the corruption.
+
+Every layout is one `LayoutSpec` row in `LAYOUTS` (apply, undo, which tensors it transforms); engines and checksums
+go through `layout_spec`, `apply_layout` and `undo_layout`, so adding a layout is its implementation plus one row.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from miles_sync.wire.protocol import WireEnum
 
 __all__ = [
+    "LAYOUTS",
+    "LayoutSpec",
     "WeightLayout",
     "apply_layout",
     "can_shuffle",
+    "layout_spec",
     "shuffle_order",
     "shuffle_weight",
     "undo_layout",
@@ -117,18 +125,31 @@ def shuffle_order(shape: Sequence[int], dtype: torch.dtype) -> int:
     return order
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayoutSpec:
+    """One physical layout: `apply` (logical -> physical, a new tensor or `x` itself), `undo` (its exact inverse),
+    and `applies_to(shape, dtype)`, whether an engine stores a linear weight of that shape and dtype in this layout
+    (the others stay logical)."""
+
+    apply: Callable[[torch.Tensor], torch.Tensor]
+    undo: Callable[[torch.Tensor], torch.Tensor]
+    applies_to: Callable[[Sequence[int], torch.dtype], bool]
+
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-_APPLY: dict[WeightLayout, Callable[[torch.Tensor], torch.Tensor]] = {
-    WeightLayout.NONE: _identity,
-    WeightLayout.AITER: shuffle_weight,
-}
-_UNDO: dict[WeightLayout, Callable[[torch.Tensor], torch.Tensor]] = {
-    WeightLayout.NONE: _identity,
-    WeightLayout.AITER: unshuffle_weight,
-}
+def _no_tensor(shape: Sequence[int], dtype: torch.dtype) -> bool:
+    return False
+
+
+LAYOUTS: Mapping[WeightLayout, LayoutSpec] = types.MappingProxyType(
+    {
+        WeightLayout.NONE: LayoutSpec(apply=_identity, undo=_identity, applies_to=_no_tensor),
+        WeightLayout.AITER: LayoutSpec(apply=shuffle_weight, undo=unshuffle_weight, applies_to=can_shuffle),
+    }
+)
 
 
 def _as_layout(layout: WeightLayout | str) -> WeightLayout:
@@ -139,12 +160,17 @@ def _as_layout(layout: WeightLayout | str) -> WeightLayout:
         raise ValueError(f"Unknown weight layout {layout!r}; expected one of: {allowed}") from None
 
 
+def layout_spec(layout: WeightLayout | str) -> LayoutSpec:
+    """The registry row of `layout`; ValueError naming the known layouts for an unknown one."""
+    return LAYOUTS[_as_layout(layout)]
+
+
 def apply_layout(x: torch.Tensor, layout: WeightLayout | str) -> torch.Tensor:
     """Logical -> physical. NONE returns `x` itself; AITER returns a new shuffled tensor. Not idempotent for AITER:
     the caller must apply it exactly once to freshly loaded bytes."""
-    return _APPLY[_as_layout(layout)](x)
+    return layout_spec(layout).apply(x)
 
 
 def undo_layout(x: torch.Tensor, layout: WeightLayout | str) -> torch.Tensor:
     """Physical -> logical, the inverse of `apply_layout`. NONE returns `x` itself."""
-    return _UNDO[_as_layout(layout)](x)
+    return layout_spec(layout).undo(x)

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any, TypeVar
 
+from miles_sync.wire.text import allowed_values
+
 __all__ = ["decode", "encode"]
 
 R = TypeVar("R")
@@ -122,7 +124,7 @@ def _decode_value(hint: Any, value: object, path: str, allow_unknown: bool) -> A
         try:
             return hint(value)
         except (ValueError, TypeError):
-            raise _DecodeError([f"{path}: {value!r} is not one of {_allowed_values(hint)}"]) from None
+            raise _DecodeError([f"{path}: {value!r} is not one of {allowed_values(hint)}"]) from None
     if hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:
@@ -194,10 +196,6 @@ def _decode_mapping(hint: Any, value: object, path: str, allow_unknown: bool) ->
     return result
 
 
-def _allowed_values(enum_cls: type[Enum]) -> str:
-    return ", ".join(repr(m.value) for m in enum_cls)
-
-
 _JSON_NAMES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "null"}
 
 
@@ -212,7 +210,7 @@ def _describe_type(hint: Any) -> str:
     if origin in (dict, Mapping):
         return f"an object of {_describe_type(args[1])}"
     if isinstance(hint, type) and issubclass(hint, Enum):
-        return f"one of {_allowed_values(hint)}"
+        return f"one of {allowed_values(hint)}"
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return f"an object ({hint.__name__})"
     return _JSON_NAMES.get(hint, repr(hint))

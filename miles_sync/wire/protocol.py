@@ -18,10 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
-from miles_sync.wire.bucket import dtype_from_name, dtype_name
 from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.text import allowed_values, raise_if
 
 __all__ = [
     "ALWAYS_OPEN_PREFIXES",
@@ -64,8 +62,6 @@ __all__ = [
     "WireEnum",
     "checksum_role",
     "decode",
-    "dtype_from_wire",
-    "dtype_to_wire",
     "encode",
     "role_kind",
     "selector_roles",
@@ -177,20 +173,8 @@ def selector_roles(selector: Selector) -> frozenset[Role]:
     """The roles whose runners a session with this selector loads and finalizes."""
     roles = _SELECTOR_ROLES.get(selector)  # str enums hash like their values, so "all" works too
     if roles is None:
-        raise ValueError(f"selector {selector!r} is not one of {_allowed_values(Selector)}")
+        raise ValueError(f"selector {selector!r} is not one of {allowed_values(Selector)}")
     return roles
-
-
-def dtype_to_wire(dtype: torch.dtype) -> str:
-    """The bare torch name SGLang expects on the wire: torch.bfloat16 -> "bfloat16" (allow-listed dtypes only)."""
-    return dtype_name(dtype)
-
-
-def dtype_from_wire(name: str) -> torch.dtype:
-    """Wire name -> torch dtype through the same allow-list the bucket codec uses."""
-    if not isinstance(name, str):
-        raise ValueError(f"Unsupported dtype name {name!r}: expected a bare torch dtype name such as 'bfloat16'")
-    return dtype_from_name(name)
 
 
 # ---- weight update group and session -------------------------------------------------------------------------
@@ -218,7 +202,7 @@ class InitWeightsUpdateGroupRequest:
             problems.append(f"world_size={self.world_size} must be at least 1")
         if not 0 <= self.rank_offset < max(self.world_size, 1):
             problems.append(f"rank_offset={self.rank_offset} is not in 0..world_size-1 (world_size={self.world_size})")
-        _raise_if(problems)
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,7 +249,7 @@ class UpdateWeightsFromDistributedRequest:
             )
         if self.load_format is LoadFormat.DIRECT:
             problems.append("load_format='direct' applies to tensor updates only; use null or 'flattened_bucket'")
-        _raise_if(problems)
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,7 +391,7 @@ class SamplingParams:
             problems.append(f"temperature={self.temperature} must be non-negative")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p={self.top_p} is not in (0, 1]")
-        _raise_if(problems)
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -506,12 +490,3 @@ RESPONSES: Mapping[str, type] = types.MappingProxyType(
         "/model_info": ModelInfo,
     }
 )
-
-
-def _raise_if(problems: list[str]) -> None:
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-def _allowed_values(enum_cls: type[Enum]) -> str:
-    return ", ".join(repr(m.value) for m in enum_cls)

@@ -32,9 +32,9 @@ from miles_sync.wire.protocol import FinishReasonKind, GenerateRequest, Generate
 
 pytestmark = pytest.mark.slow
 # The session's version step (session.py `_sync`, step "version") calls EngineClient.update_weight_version, which
-# sends UpdateWeightVersionRequest's wire default abort_all_requests=true (client.py, protocol.py): the engine then
-# aborts every queued request, i.e. every request a retract just put back and every request that arrived during
-# an abort-mode pause.
+# sends abort_all_requests=False, not the endpoint's wire default of true (client.py, protocol.py): the version
+# step aborts nothing, so every request a retract just put back and every request that arrived during an
+# abort-mode pause stays queued and completes under the new weights. Only the abort-mode pause itself aborts.
 NUM_REQUESTS = 200
 NUM_SYNCS = 3
 MAX_NEW_TOKENS = 32

@@ -92,8 +92,8 @@ def generate(engine_actors, round_index: int):
 def run_rounds(fleet: Fleet, controller) -> list[float]:
     """Round 0 generates from the starting weights; rounds 1..N train on the previous samples, sync, generate."""
     actors, urls = fleet.engines.actors, current_urls(fleet.engines.actors)
-    assert ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S) == urls
-    version = ray.get(controller.weight_version.remote(), timeout=RAY_TIMEOUT_S)
+    assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).serving_engines == urls
+    version = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).weight_version
     samples = generate(actors, 0)
     assert {s.weight_version for s in samples} == {version}
     accept = [mean_accept_length(samples)]
@@ -129,14 +129,11 @@ def node_of(actor) -> str:
 def test_distributed_rounds(fleet):
     with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         accept = run_rounds(fleet, controller)
-        membership = ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S)
+        membership = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership
         assert membership is not None and membership.backend == "gloo" and membership.world_size == 3
         assert membership.master_address == "127.0.0.1"
-        pids = own_pids(fleet, controller)
-        # Known gap, asserted separately below: the update group's store listens on every interface.
-        off_loopback = [
-            line for line in listeners_off_loopback(pids) if not line.split()[3].endswith(f":{membership.master_port}")
-        ]
+        # Every listener of the fleet, the update group's store included, is on loopback.
+        off_loopback = listeners_off_loopback(own_pids(fleet, controller))
         assert off_loopback == [], off_loopback
     print("distributed accept lengths", accept)
 
@@ -159,7 +156,7 @@ def test_colocated_rounds(fleet):
     for engine, ranks in fleet.plan.shared_bundles().items():
         assert node_of(fleet.engines.actors[engine]) == node_of(fleet.trainers.actors[ranks[0]])
     with controller_for(fleet, TransportKind.COLOCATED) as controller:
-        assert ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S) is None  # no update group
+        assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership is None  # no update group
         accept = run_rounds(fleet, controller)
         # Engine j mapped trainer rank j's own memory: rank j posted engine j's requests, and every handle in them
         # names a shared segment that rank j's process created (torch names segments "/torch_<pid>_...").
@@ -286,7 +283,7 @@ def test_bucket_progress_reaches_the_driver_while_the_sync_runs(fleet):
             ref = controller.sync.remote()
             seen = []
             while not ray.wait([ref], timeout=0.05)[0]:
-                progress = ray.get(controller.progress.remote(), timeout=RAY_TIMEOUT_S)
+                progress = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).progress
                 if progress is not None:
                     seen.append(len(progress.buckets))
             report = ray.get(ref, timeout=RAY_TIMEOUT_S)
@@ -295,7 +292,7 @@ def test_bucket_progress_reaches_the_driver_while_the_sync_runs(fleet):
         assert report.committed and report.num_buckets > 2, report.summary()
         # Buckets acknowledged before the pause were visible while the sync still ran.
         assert any(0 < n < report.num_buckets for n in seen), seen
-        final = ray.get(controller.progress.remote(), timeout=RAY_TIMEOUT_S)
+        final = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).progress
         assert final.version == report.version
         assert [b.index for b in final.buckets] == list(range(report.num_buckets))
         assert final.buckets[-1].total_bytes == report.num_bytes
@@ -334,8 +331,8 @@ def test_staged_export_sends_the_same_bytes_and_a_failed_stage_changes_nothing(f
             ray.get(source.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()), timeout=60)
         assert not failed.committed and "on purpose" in failed.error, failed.summary()
         assert failed.phases.pause_s == 0.0  # it failed while staging: the engines were never paused
-        assert ray.get(controller.weight_version.remote(), timeout=RAY_TIMEOUT_S) == staged.version
-        assert set(ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S)) == set(urls)
+        assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).weight_version == staged.version
+        assert set(ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).serving_engines) == set(urls)
         samples = generate(fleet.engines.actors, 7)
         assert {s.weight_version for s in samples} == {staged.version}
         assert ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S).committed  # and the next sync works
@@ -364,7 +361,7 @@ def kill_during_broadcast(fleet: Fleet, controller):
     victim = fleet.engines.actors[0]
     source = fleet.trainers.actors[fleet.source_rank]
     first = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
-    group = ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S)
+    group = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership
     ray.get(source.__ray_call__.remote(arm_engine_kill(victim), victim), timeout=60)
     start = time.monotonic()
     try:
@@ -389,23 +386,26 @@ def test_engine_killed_during_broadcast(fleet):
         print(f"failed sync after {elapsed:.2f} s: {failed.error[:300]}")
         assert elapsed < SYNC["sync_timeout_s"], f"the failed sync took {elapsed:.1f} s"
         assert not ray.get(victim.is_running.remote(), timeout=60)
-        assert ray.get(controller.version.remote(), timeout=RAY_TIMEOUT_S) == int(first.version)
-        assert ray.get(controller.weight_version.remote(), timeout=RAY_TIMEOUT_S) == first.version
+        assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).version == int(first.version)
+        assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).weight_version == first.version
         assert {e.url: e.success for e in failed.engines} == {victim_url: False, survivor_url: False}
 
         new_url = restart_victim(fleet, controller, victim_url)
         # Until a sync succeeds on it, the restarted engine (checkpoint weights) takes no generation traffic.
-        assert new_url in ray.get(controller.stale_engines.remote(), timeout=RAY_TIMEOUT_S)
-        assert new_url not in ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S)
+        assert new_url in ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).stale_engines
+        assert new_url not in ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).serving_engines
 
         recovered = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert recovered.committed and int(recovered.version) > int(failed.version) > int(first.version)
         for engine in recovered.engines:
             assert engine.success and engine.num_verified_tensors == fleet.num_tensors, engine
-        group_after = ray.get(controller.membership.remote(), timeout=RAY_TIMEOUT_S)
+        group_after = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership
         assert group_after.group_name != group_before.group_name  # a new group, with the restarted engine in it
         assert [e.url for e in group_after.engines] == [new_url, survivor_url]
-        assert set(ray.get(controller.serving_engines.remote(), timeout=RAY_TIMEOUT_S)) == {new_url, survivor_url}
+        assert set(ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).serving_engines) == {
+            new_url,
+            survivor_url,
+        }
         assert target_checksum(new_url) == target_checksum(survivor_url)
         for engine in (victim, survivor):
             samples = ray.get(engine.generate.remote(prompts(10), sampling=GREEDY), timeout=RAY_TIMEOUT_S)

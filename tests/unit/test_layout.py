@@ -37,7 +37,7 @@ def random_bits(shape, dtype, seed=0) -> torch.Tensor:
 
 
 def closed_form_offsets(n: int, k: int, itemsize: int) -> torch.Tensor:
-    """Destination flat offset of every (row, col) element: n0*16*K + c*16*V + n1*V + e (DESIGN section 3)."""
+    """Destination flat offset of every (row, col) element: n0*16*K + c*16*V + n1*V + e (layout.py docstring)."""
     v = 16 // itemsize
     rows = torch.arange(n).unsqueeze(1)
     cols = torch.arange(k).unsqueeze(0)

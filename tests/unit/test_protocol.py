@@ -342,21 +342,7 @@ def test_enums_print_as_their_wire_values():
     assert p.Selector("target") is p.Selector.TARGET
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.uint8])
-def test_dtype_wire_names(dtype):
-    name = p.dtype_to_wire(dtype)
-    assert "." not in name
-    assert p.dtype_from_wire(name) is dtype
-
-
-@pytest.mark.parametrize("name", ["torch.bfloat16", "Tensor", "bf16", "", 3])
-def test_dtype_from_wire_rejects_non_dtype_names(name):
-    with pytest.raises(ValueError, match=r"Unsupported dtype name .*(supported: |bare torch dtype name)"):
-        p.dtype_from_wire(name)
-
-
 def test_endpoint_tables():
-    assert p.dtype_to_wire(torch.bfloat16) == "bfloat16"
     for table in (p.ENDPOINTS, p.QUERY_ENDPOINTS, p.RESPONSES):
         for path, cls in table.items():
             assert path.startswith("/") and dataclasses.is_dataclass(cls)

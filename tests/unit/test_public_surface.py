@@ -62,13 +62,11 @@ PROTOCOL_ALL = {
     "WireEnum",
     "checksum_role",
     "decode",
-    "dtype_from_wire",
-    "dtype_to_wire",
     "encode",
     "role_kind",
     "selector_roles",
 }
-SELECTOR_ALL = {"SelectorMode", "resolve_selector", "weight_update_selector"}
+SELECTOR_ALL = {"SelectorMode", "resolve_selector", "selector_input_problems", "weight_update_selector"}
 DRAFT_ALL = {"DraftKind", "DraftReport"}
 CONFIG_ALL = {
     "DEFAULT_CONFIG_DIR",

@@ -4,7 +4,7 @@ Plain class, no HTTP: `server.py` maps each endpoint onto one method. Methods re
 success and raise ValueError with a message naming the problem on a request the engine refuses (the server answers
 400 {success: false, message}).
 
-Session rules (DESIGN.md section 2):
+Session rules:
 - begin opens a session for one selector; a second begin fails; updates outside a session fail; a payload whose
   selector differs from the session's fails.
 - A request is validated whole before any byte is written: unknown names, names the selector does not cover,
@@ -38,8 +38,9 @@ from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.weights_checker import WeightsChecker
 from miles_sync.engine.settings import FinalizePolicy
 from miles_sync.transport.group import UpdateGroup
-from miles_sync.wire.bucket import BucketEntry, TensorMeta, dtype_from_name, layout_from_metadata, unpack_bucket
+from miles_sync.wire.bucket import BucketEntry, TensorMeta, layout_from_metadata, unpack_bucket
 from miles_sync.wire.draft import DraftKind, DraftReport
+from miles_sync.wire.dtypes import dtype_from_name
 from miles_sync.wire.payload import decode_payload
 from miles_sync.wire.protocol import (
     BeginWeightUpdateRequest,
@@ -66,6 +67,7 @@ from miles_sync.wire.protocol import (
     role_kind,
     selector_roles,
 )
+from miles_sync.wire.text import shorten
 
 __all__ = ["ReferenceEngine"]
 
@@ -237,7 +239,7 @@ class ReferenceEngine:
             if finalized_any:
                 self._scheduler.invalidate_cache()
             if problems:
-                message = "weight update session failed: " + _join(problems)
+                message = "weight update session failed: " + shorten(problems, limit=_MAX_PROBLEMS_SHOWN, sep="; ")
                 self._record_failure(f"selector {session.selector.value!r}, tensors loaded {loaded}: {message}")
                 raise ValueError(message)
             self._last_failure = None
@@ -406,7 +408,7 @@ class ReferenceEngine:
         self, session: _Session, named: list, problems: list[str], *, endpoint: str, request
     ) -> WeightUpdateResult:
         if problems:
-            raise ValueError(f"no weight changed: {_join(problems)}")
+            raise ValueError(f"no weight changed: {shorten(problems, limit=_MAX_PROBLEMS_SHOWN, sep='; ')}")
         if request.abort_all_requests:
             self._scheduler.abort_all(f"aborted by {endpoint}(abort_all_requests=true)")
         num_loaded = {}
@@ -552,9 +554,3 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def _describe(runners: Sequence[Runner]) -> str:
     return " and ".join(f"the {runner.role.value} runner" for runner in runners)
-
-
-def _join(problems: Sequence[str]) -> str:
-    shown = "; ".join(problems[:_MAX_PROBLEMS_SHOWN])
-    more = len(problems) - _MAX_PROBLEMS_SHOWN
-    return shown + (f"; and {more} more" if more > 0 else "")

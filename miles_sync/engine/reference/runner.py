@@ -2,14 +2,17 @@
 
 Storage model, mirroring an engine whose kernels read a physical layout:
 
-- `stored_tensors()` are the physical bytes. With `WeightLayout.AITER`, every linear weight that `can_shuffle`
-  is kept shuffled after `finalize`; everything else is stored in the logical HF layout.
-- The module's parameters are the compute view. For a shuffled weight the forward reads
-  `unshuffle_weight(stored)`, decoded once per `finalize`, as a kernel reading that layout would; for every other
-  tensor the parameter IS the stored tensor, so a load is live immediately.
-- `finalize(names)` is the post-load hook: it shuffles the named linear weights in place and rebuilds the compute
-  view. It is not idempotent: finalizing bytes that were already shuffled corrupts the model with no error. That
-  is the behaviour of the real hook; guarding against it is the engine's finalize policy, not the runner's.
+- `stored_tensors()` are the physical bytes. Every linear weight that the runner's layout applies to (its
+  `LayoutSpec.applies_to` in `miles_sync.weights.layout.LAYOUTS`; with `WeightLayout.AITER`, those that
+  `can_shuffle`) is kept in that layout after `finalize` (a "shuffled" weight); everything else is stored in the
+  logical HF layout.
+- The module's parameters are the compute view. For a shuffled weight the forward reads the layout's `undo` of
+  the stored bytes, decoded once per `finalize`, as a kernel reading that layout would; for every other tensor the
+  parameter IS the stored tensor, so a load is live immediately.
+- `finalize(names)` is the post-load hook: it applies the layout to the named linear weights in place and rebuilds
+  the compute view. It is not idempotent: finalizing bytes that were already shuffled corrupts the model with no
+  error. That is the behaviour of the real hook; guarding against it is the engine's finalize policy, not the
+  runner's.
 
 All writes (load, finalize) happen under `weights_lock`, which the scheduler holds during every forward step.
 """
@@ -31,9 +34,10 @@ from miles_sync.engine.reference.models import (
     read_config,
     read_safetensors,
 )
-from miles_sync.weights.layout import WeightLayout, can_shuffle, shuffle_weight, unshuffle_weight
+from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
+from miles_sync.wire.text import shorten
 
 __all__ = [
     "DRAFT_KINDS",
@@ -45,6 +49,7 @@ __all__ = [
 ]
 
 DRAFT_KINDS = ("none", "mtp", "standalone", "ngram")
+_NUM_MISSING_SHOWN = 5  # how many missing checkpoint tensors an error message lists
 
 
 class Runner:
@@ -65,13 +70,14 @@ class Runner:
         self.role = Role(role)
         self.model = model.eval().requires_grad_(False)
         self.layout = WeightLayout(layout)
+        self._layout_spec = layout_spec(self.layout)
         self.weights_lock = threading.RLock() if weights_lock is None else weights_lock
         self._params = model.hf_parameters()
         self._linear_names = model.linear_weight_names()
         self._shuffled = frozenset(
             name
             for name in self._linear_names
-            if self.layout is WeightLayout.AITER and can_shuffle(self._params[name].shape, self._params[name].dtype)
+            if self._layout_spec.applies_to(self._params[name].shape, self._params[name].dtype)
         )
         # A shuffled weight needs its own physical buffer; every other stored tensor is the parameter itself.
         self._stored = {
@@ -100,7 +106,7 @@ class Runner:
         return self._linear_names
 
     def shuffled_names(self) -> frozenset[str]:
-        """Owned names stored in the shuffled layout after finalize (empty unless the layout is AITER)."""
+        """Owned names stored in the runner's layout after finalize (empty with WeightLayout.NONE)."""
         return self._shuffled
 
     def expected(self, name: str) -> TensorMeta:
@@ -161,10 +167,10 @@ class Runner:
             for name in names:
                 if name in self._shuffled:
                     stored = self._stored[name]
-                    stored.copy_(shuffle_weight(stored))
+                    stored.copy_(self._layout_spec.apply(stored))
             # The kernel's view of the physical bytes: decoded from every shuffled weight, stale or not.
             for name in self._shuffled:
-                self._params[name].data.copy_(unshuffle_weight(self._stored[name]))
+                self._params[name].data.copy_(self._layout_spec.undo(self._stored[name]))
             self._epoch += 1
 
     def overwrite(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -206,7 +212,7 @@ class Runner:
         """
         with self.weights_lock:
             return {
-                name: (unshuffle_weight(stored) if name in self._shuffled else stored)
+                name: (self._layout_spec.undo(stored) if name in self._shuffled else stored)
                 for name, stored in self._stored.items()
             }
 
@@ -223,8 +229,10 @@ def _populate(runner: Runner, tensors: Mapping[str, torch.Tensor], *, source: st
     """Fill a fresh runner from checkpoint tensors, then finalize it once (start-up post-processing)."""
     missing = sorted(runner.owned_names() - tensors.keys())
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint {source!r} lacks {len(missing)} tensor(s) of the {runner.role} runner: {shown}")
+        raise ValueError(
+            f"checkpoint {source!r} lacks {len(missing)} tensor(s) of the {runner.role} runner: "
+            f"{shorten(missing, limit=_NUM_MISSING_SHOWN)}"
+        )
     runner.load(tensors.items())
     runner.reset_session()
     runner.finalize_all()

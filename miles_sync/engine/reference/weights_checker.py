@@ -33,7 +33,7 @@ from miles_sync.weights.checksum import (
     sglang_reported_name,
     sglang_tensor_hash,
 )
-from miles_sync.weights.layout import unshuffle_weight
+from miles_sync.weights.layout import undo_layout
 from miles_sync.wire.protocol import (
     ChecksumNames,
     ParallelismInfo,
@@ -44,6 +44,7 @@ from miles_sync.wire.protocol import (
     WeightsCheckerResult,
     role_kind,
 )
+from miles_sync.wire.text import shorten
 
 __all__ = ["WeightsChecker"]
 
@@ -190,7 +191,7 @@ def _logical(runner: Runner, names: list[str]) -> Iterator[tuple[str, torch.Tens
     stored = runner.stored_tensors()
     shuffled = runner.shuffled_names() - runner.loaded_in_session()
     for name in names:
-        yield name, (unshuffle_weight(stored[name]) if name in shuffled else stored[name])
+        yield name, (undo_layout(stored[name], runner.layout) if name in shuffled else stored[name])
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor, *, allow_quant_error: bool) -> bool:
@@ -224,5 +225,4 @@ def _random_unlike(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shown(names: list[str]) -> str:
-    more = len(names) - _MAX_NAMES_SHOWN
-    return str(names[:_MAX_NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+    return f"[{shorten(map(repr, names), limit=_MAX_NAMES_SHOWN)}]"
