@@ -1,9 +1,16 @@
-"""The controller's view of trainer actors: each call runs on the model a rank attached (`__ray_call__`)."""
+"""The controller's view of trainer actors: each call runs on the model a rank attached (`__ray_call__`).
+
+Bucket progress flows one way: the source rank pushes each acknowledged bucket to the controller actor as it
+happens (`_ProgressPush`, fire and forget), and the send's result carries the full list, so an event whose push
+was lost or late still arrives once. Nothing polls a rank, so trainer actors need no second concurrency slot.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -21,7 +28,39 @@ __all__ = ["RemoteTrainerSource"]
 # Extra seconds the controller waits for a rank beyond the rank's own deadline, so the rank's precise error (not a
 # bare controller-side timeout) is what gets reported.
 _RANK_DEADLINE_MARGIN_S = 10.0
-_PROGRESS_POLL_S = 0.2
+
+# Sends in this (controller) process that take pushed progress, by token. Entries live for one send.
+_RECEIVERS: dict[str, Callable[[BucketProgress], None]] = {}
+
+
+def _deliver_progress(actor: object, token: str, event: BucketProgress) -> None:
+    """Runs inside the controller actor (through `__ray_call__`): hands one pushed event to its send, if running."""
+    del actor
+    receive = _RECEIVERS.get(token)
+    if receive is not None:
+        receive(event)
+
+
+@dataclass(frozen=True)
+class _ProgressPush:
+    """The source rank's `on_bucket`: pushes each acknowledged bucket to the controller actor. Picklable; never
+    blocks or raises into the send (progress must never fail a sync)."""
+
+    controller: Any
+    token: str
+
+    def __call__(self, event: BucketProgress) -> None:
+        try:
+            self.controller.__ray_call__.remote(_deliver_progress, self.token, event)
+        except Exception:  # the controller going away is the send's business, not progress's
+            pass
+
+
+def _current_actor() -> Any | None:
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:  # not inside an actor (a driver using this class directly): progress arrives with the result
+        return None
 
 
 def _on_rank(actor: object, name: str, method: str, kwargs: dict[str, Any]) -> Any:
@@ -90,41 +129,34 @@ class RemoteTrainerSource:
         self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
     ) -> SendResult:
         # Every rank exports at once (the gather's collectives pair up); only the source's result carries bytes.
-        sending = asyncio.ensure_future(
-            self._on_all("send", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S, selector=selector)
-        )
-        num_seen = 0
-        if on_bucket is not None:
-            num_seen = await self._forward_progress(sending, on_bucket)
-        results: list[RankSendResult] = await sending
-        sent = results[self._source_index]
-        if on_bucket is not None:
-            for event in sent.progress[num_seen:]:  # acknowledged after the last poll
+        seen: set[int] = set()
+
+        def receive(event: BucketProgress) -> None:
+            if on_bucket is not None and event.index not in seen:
+                seen.add(event.index)
                 on_bucket(event)
+
+        token = uuid.uuid4().hex
+        controller = None if on_bucket is None else _current_actor()
+        push = None if controller is None else _ProgressPush(controller=controller, token=token)
+        _RECEIVERS[token] = receive
+        try:
+            results: list[RankSendResult] = await self._on_all(
+                "send",
+                timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S,
+                selector=selector,
+                on_bucket=push,
+            )
+            sent = results[self._source_index]
+            for event in sent.progress:  # whatever no push delivered (yet), in order
+                receive(event)
+        finally:
+            _RECEIVERS.pop(token, None)
         return sent.result
 
     async def stage(self) -> StageResult:
         results = await self._on_all("stage", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S)
         return results[self._source_index]
-
-    async def _forward_progress(self, sending: asyncio.Future, on_bucket: Callable[[BucketProgress], None]) -> int:
-        """Poll the source rank for acknowledged buckets while `sending` runs and pass them on; returns how many.
-
-        Best effort: buckets are acknowledged in the source's process, and an actor that runs one call at a time
-        answers the poll only after the send (the rest then arrive with the send's result)."""
-        num_seen = 0
-        while not sending.done():
-            await asyncio.wait({sending}, timeout=_PROGRESS_POLL_S)
-            if sending.done():
-                break
-            try:
-                events = await self._call(self._source(), "progress", timeout_s=self._control_timeout_s, start=num_seen)
-            except Exception:  # progress must never fail a sync; the send's own outcome decides
-                continue
-            for event in events:
-                on_bucket(event)
-            num_seen += len(events)
-        return num_seen
 
     async def close(self) -> None:
         await self._on_all("close", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S)

@@ -60,6 +60,7 @@ def create_trainers(
     backend: str | None = None,
     timeout_s: float = 300.0,
     feeds: FeedPlan | None = None,
+    max_concurrency: int = 1,
 ) -> TrainerGroup:
     """Start `trainer.world_size` trainer actors and set them up; raises (after killing them) if any rank fails.
 
@@ -67,7 +68,8 @@ def create_trainers(
     rank's environment (default: GLOO_SOCKET_IFNAME=lo when `master_address` is
     loopback, so the trainer group's gloo sockets stay on loopback). `feeds`: the colocated feed plan every rank
     follows with the colocated transport (`placement.plan_colocated_feeds(placement.plan)`); None feeds every
-    engine rank from the export source.
+    engine rank from the export source. `max_concurrency`: calls a rank's actor runs at once; 1 suffices (bucket
+    progress is pushed to the controller, nothing polls a rank), more lets a caller query a rank mid-send.
     """
     if env_vars is None:
         env_vars = {"GLOO_SOCKET_IFNAME": "lo"} if master_address in ("127.0.0.1", "localhost") else {}
@@ -77,9 +79,7 @@ def create_trainers(
         options = resources.as_actor_options() if placement is None else placement.trainer_options(rank)
         if env_vars:
             options["runtime_env"] = {"env_vars": dict(env_vars)}
-        # A second slot lets the controller read a running send's bucket progress. The driver never overlaps
-        # train_step with a sync, so the rank's own work still runs one call at a time.
-        options["max_concurrency"] = 2
+        options["max_concurrency"] = max_concurrency
         actors.append(
             remote_class.options(**options).remote(
                 rank=rank,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
@@ -177,15 +178,16 @@ class ModelSource:
         self._call_timeout_s = settings.call_timeout_s
         return bound
 
-    def send(self, *, selector: Selector) -> RankSendResult:
+    def send(self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None) -> RankSendResult:
         """Export and (on the source rank) send the current weights once. Raises on any failure; the transport must
-        then be re-opened (the controller does it at the next sync)."""
+        then be re-opened (the controller does it at the next sync). `on_bucket` is called on this rank's loop
+        thread as each bucket is acknowledged (the result's `progress` lists them all as well); it must not block."""
         sender = self._sender
         if sender is None:
             raise RuntimeError(f"rank {self._info.rank}: send before open()")
         self._progress = progress = []
         result = self._loop.run(
-            sender.send(selector=selector, on_bucket=progress.append),
+            sender.send(selector=selector, on_bucket=functools.partial(_record, progress, on_bucket)),
             timeout_s=self._call_timeout_s,
             what=f"rank {self._info.rank} sending weights",
         )
@@ -233,3 +235,14 @@ class ModelSource:
                     pass
                 raise
             yield unit
+
+
+def _record(
+    progress: list[BucketProgress], on_bucket: Callable[[BucketProgress], None] | None, event: BucketProgress
+) -> None:
+    progress.append(event)
+    if on_bucket is not None:
+        try:
+            on_bucket(event)
+        except Exception:  # progress must never fail a send
+            pass

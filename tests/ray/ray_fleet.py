@@ -126,9 +126,16 @@ class Fleet:
 
 @contextlib.contextmanager
 def started_fleet(
-    *, checkpoint_dir: str, log_dir: str, trainer: TrainerConfig, engine_collective_timeout_s: float, name: str
+    *,
+    checkpoint_dir: str,
+    log_dir: str,
+    trainer: TrainerConfig,
+    engine_collective_timeout_s: float,
+    name: str,
+    trainer_concurrency: int = 1,
 ) -> Iterator[Fleet]:
-    """Start the fleet on the running cluster; shut down trainers, engines and placement groups on exit."""
+    """Start the fleet on the running cluster; shut down trainers, engines and placement groups on exit.
+    `trainer_concurrency`: each trainer actor's max_concurrency (drills that query a rank mid-send need 2)."""
     plan = plan_placement(
         layout="colocated",
         num_trainers=2,
@@ -155,6 +162,7 @@ def started_fleet(
                 checkpoint_dir=checkpoint_dir,
                 placement=placed,
                 feeds=plan_colocated_feeds(plan),
+                max_concurrency=trainer_concurrency,
             )
             engines, trainers = engines_future.result(), trainers_future.result()
         stack.callback(engines.shutdown)

@@ -85,6 +85,8 @@ def fleet(reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
             trainer=TRAINER,
             engine_collective_timeout_s=ENGINE_COLLECTIVE_TIMEOUT_S,
             name="faults",
+            # kill_engine_after_send asks the source rank for its acknowledged buckets while its send runs
+            trainer_concurrency=2,
         ) as fleet,
     ):
         yield fleet
@@ -367,7 +369,9 @@ def test_source_rank_killed_mid_sync(fleet):
 
     # The controller keeps its trainer handles for life: recovery is a new trainer group and a new controller.
     fleet.trainers.shutdown(timeout_s=30.0)
-    fleet.trainers = create_trainers(trainer=TRAINER, checkpoint_dir=fleet.checkpoint_dir, placement=fleet.placed)
+    fleet.trainers = create_trainers(
+        trainer=TRAINER, checkpoint_dir=fleet.checkpoint_dir, placement=fleet.placed, max_concurrency=2
+    )
     with controller_for(fleet) as controller:
         assert_full_sync(fleet, controller, committed, round_index=9)
 
