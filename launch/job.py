@@ -49,7 +49,7 @@ from miles_sync.job.run_report import (
     write_png,
 )
 from miles_sync.sync.report import ProgressBar, SyncReport
-from miles_sync.transport.base import FeedPlan, TransportKind
+from miles_sync.transport.base import FeedPlan, transport_spec
 from miles_sync.wire.protocol import SamplingParams
 
 __all__ = ["JobActors", "JobResult", "run_job", "start_job_actors"]
@@ -288,7 +288,8 @@ def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
     bundles of their own. None when the engines are external servers (only trainers are placed, by Ray)."""
     if config.engines.urls:
         return None
-    is_colocated = config.sync.transport is TransportKind.COLOCATED
+    # A transport that feeds engines from every trainer rank maps memory across processes on one device: colocate.
+    is_colocated = transport_spec(config.sync.transport).feeds_from_every_rank
     plan = plan_placement(
         layout=PlacementLayout.COLOCATED if is_colocated else PlacementLayout.DISAGGREGATED,
         num_trainers=config.trainer.world_size,
@@ -303,7 +304,7 @@ def _feeds(config: MilesSyncConfig, placed: PlacedGroups | None) -> FeedPlan | N
     """Colocated transport on placed engines: each engine rank is fed by the trainer rank on its bundle (engine j
     by trainer rank j with TP=1 engines). Running servers (`engines.urls`) have no placement here: the export
     source feeds them all."""
-    if placed is None or config.sync.transport is not TransportKind.COLOCATED:
+    if placed is None or not transport_spec(config.sync.transport).feeds_from_every_rank:
         return None
     return plan_colocated_feeds(placed.plan)
 

@@ -1,5 +1,8 @@
 """Test tiers follow the directory: tests/unit (pure), tests/multiproc (gloo groups, HTTP on loopback),
-tests/ray (local Ray cluster). The marker is applied from the path so `-m unit` selects a tier."""
+tests/ray (local Ray cluster). The marker is applied from the path so `-m unit` selects a tier.
+
+Every Ray test is also `slow`: each module starts a Ray cluster and an engine fleet (about 30 s before its first
+test), so `-m "not slow"` is the quick loop (unit tier plus the quick multi-process tests)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for tier in _TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+        if "ray" in parts:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") is not None:
             import torch
 

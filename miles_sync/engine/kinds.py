@@ -13,7 +13,7 @@ from miles_sync.engine.command import LaunchCommand
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.settings import EngineSettings
 from miles_sync.engine.sglang import SGLangEngineSpec
-from miles_sync.wire.protocol import WireEnum
+from miles_sync.wire.codec import WireEnum
 
 __all__ = ["ENGINE_KINDS", "EngineKind", "EngineSpec", "engine_spec"]
 

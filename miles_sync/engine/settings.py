@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.draft import DraftKind
-from miles_sync.wire.protocol import WireEnum
 
 __all__ = ["EngineSettings", "FinalizePolicy"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from miles_sync.export.units import ExportedUnit
 from miles_sync.wire.bucket import AtomicUnit
-from miles_sync.wire.protocol import WireEnum
+from miles_sync.wire.codec import WireEnum
 
 __all__ = ["EXPORTERS", "ConversionMode", "ExportStream", "Exporter", "build_exporter"]
 

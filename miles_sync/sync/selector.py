@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from miles_sync.export.registry import ConversionMode
+from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.draft import DraftKind, DraftReport
-from miles_sync.wire.protocol import Role, Selector, WireEnum, selector_roles
+from miles_sync.wire.protocol import Role, Selector, selector_roles
 from miles_sync.wire.text import shorten
 
 __all__ = ["SelectorMode", "resolve_selector", "selector_input_problems", "weight_update_selector"]

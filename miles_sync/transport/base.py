@@ -24,7 +24,8 @@ from typing import Protocol, runtime_checkable
 
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.bucket import FlattenedBucket
-from miles_sync.wire.protocol import InitWeightsUpdateGroupRequest, Selector, WireEnum
+from miles_sync.wire.codec import WireEnum
+from miles_sync.wire.protocol import InitWeightsUpdateGroupRequest, Selector
 
 __all__ = [
     "TransportKind",

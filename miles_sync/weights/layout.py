@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_sync.wire.protocol import WireEnum
+from miles_sync.wire.codec import WireEnum
 
 __all__ = [
     "LAYOUTS",

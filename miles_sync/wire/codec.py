@@ -18,7 +18,15 @@ from typing import Any, TypeVar
 
 from miles_sync.wire.text import allowed_values
 
-__all__ = ["decode", "encode"]
+__all__ = ["WireEnum", "decode", "encode"]
+
+
+class WireEnum(str, Enum):
+    """A string enum whose wire form is its value; `str()` gives the value on every Python version."""
+
+    def __str__(self) -> str:
+        return self.value
+
 
 R = TypeVar("R")
 

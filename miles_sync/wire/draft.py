@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles_sync.wire.protocol import WireEnum
+from miles_sync.wire.codec import WireEnum
 
 __all__ = ["DraftKind", "DraftReport"]
 

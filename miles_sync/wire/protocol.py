@@ -16,9 +16,8 @@ import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
-from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.codec import WireEnum, decode, encode
 from miles_sync.wire.text import allowed_values, raise_if
 
 __all__ = [
@@ -59,7 +58,6 @@ __all__ = [
     "WeightsCheckerAction",
     "WeightsCheckerRequest",
     "WeightsCheckerResult",
-    "WireEnum",
     "checksum_role",
     "decode",
     "encode",
@@ -68,13 +66,6 @@ __all__ = [
 ]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
-
-
-class WireEnum(str, Enum):
-    """A string enum whose wire form is its value; `str()` gives the value on every Python version."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Selector(WireEnum):

@@ -1,3 +1,5 @@
+"""Bucket planning (miles_sync.sync.plan): greedy, lazy, units never straddle a bucket; the wire order of a bucket."""
+
 from __future__ import annotations
 
 import itertools

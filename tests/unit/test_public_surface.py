@@ -59,7 +59,6 @@ PROTOCOL_ALL = {
     "WeightsCheckerAction",
     "WeightsCheckerRequest",
     "WeightsCheckerResult",
-    "WireEnum",
     "checksum_role",
     "decode",
     "encode",
@@ -81,7 +80,7 @@ CONFIG_ALL = {
     "to_config",
     "to_yaml",
 }
-CODEC_ALL = {"decode", "encode"}
+CODEC_ALL = {"WireEnum", "decode", "encode"}
 
 ENDPOINTS = {
     "/init_weights_update_group": "InitWeightsUpdateGroupRequest",

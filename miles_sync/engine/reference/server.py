@@ -35,7 +35,7 @@ from aiohttp import web
 
 from miles_sync import __version__
 from miles_sync.engine.reference.engine import ReferenceEngine
-from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.codec import WireEnum, decode, encode
 from miles_sync.wire.protocol import (
     ALWAYS_OPEN_PREFIXES,
     ENDPOINTS,
@@ -45,7 +45,6 @@ from miles_sync.wire.protocol import (
     GenerateRequest,
     PauseGenerationRequest,
     SamplingParams,
-    WireEnum,
 )
 
 __all__ = [
