@@ -25,6 +25,11 @@ from pathlib import Path
 
 import pytest
 
+# Slow as a module: export parity over the parallel matrix in gloo processes (this file and its bridge or raw
+# twin take about a minute together). The unit tier covers the conversion rules without processes.
+pytestmark = pytest.mark.slow
+
+
 WORLD_SIZE = 2
 TIMEOUT_S = 240.0
 HOST = "127.0.0.1"

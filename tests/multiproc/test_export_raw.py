@@ -15,6 +15,11 @@ import torch
 from miles_sync.parity.cli import LOGIT_TOLERANCE, check_case, expected_mtp_shapes, first_difference, split_mtp
 from miles_sync.parity.harness import ParityCase, merge_exports, run_cases, tiny_hf_config, write_hf_checkpoint
 
+# Slow as a module: export parity over the parallel matrix in gloo processes (this file and its bridge or raw
+# twin take about a minute together). The unit tier covers the conversion rules without processes.
+pytestmark = pytest.mark.slow
+
+
 DENSE = ("llama", "qwen2", "qwen3")
 ALL_ARCHS = (*DENSE, "qwen3_moe")
 

@@ -52,6 +52,7 @@ def start_engine(checkpoints: Path, log_dir: Path, *extra: str):
 CANCEL_POINTS = (0, 1, 3, 0.002, 0.01, 0.05)
 
 
+@pytest.mark.slow
 def test_a_send_cancelled_after_the_metadata_post_still_releases_every_engine(reference_checkpoints, tmp_path):
     tensors, _ = load_checkpoint(reference_checkpoints / "target")
     named = sorted((n, t) for n, t in tensors.items() if n.startswith("model.layers.0."))
@@ -125,6 +126,7 @@ def sync_controller(urls, source) -> SyncController:
     )
 
 
+@pytest.mark.slow
 def test_engine_named_digests_are_verified_by_replica_agreement(reference_checkpoints, source, tmp_path):
     """Three engines answering as SGLang does; the third stores its weights in another physical layout (as a
     mis-configured server would), so its bytes differ from its replicas' although every HTTP call succeeded."""

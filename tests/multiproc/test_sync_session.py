@@ -347,6 +347,7 @@ def test_selector_cross_check_fails_before_anything_is_sent(engines, source, che
     assert before == after and versions_before == versions_after  # untouched, still serving
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_sync_then_group_recreated(reference_checkpoints, source, checkpoint, tmp_path):
     async def main(survivor, victim):
         await source.call("configure", settings("distributed", include_mtp=False))
