@@ -23,8 +23,10 @@ from miles_sync.wire.protocol import (
     WeightsCheckerResult,
 )
 
-__all__ = ["EngineAPI", "EngineError", "ServerInfo"]
+__all__ = ["CHECKSUM_NAMES_KEY", "EngineAPI", "EngineError", "ServerInfo"]
 
+# The /get_server_info key through which the reference engine says what its checker answers (ServerInfo field).
+CHECKSUM_NAMES_KEY = "miles_sync_checksum_names"
 _MAX_MESSAGE_CHARS = 2000  # server messages are surfaced in exceptions; cap what a broken server can inject
 
 

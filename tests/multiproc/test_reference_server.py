@@ -9,8 +9,8 @@ import pytest
 import torch
 from reference_server import ServerProcess, checkpoint_tensors, checksums, generate, mtp_names, reference_server
 
-from miles_sync.engine.reference.server import CHECKSUM_NAMES_KEY
 from miles_sync.weights.checksum import role_checksums
+from miles_sync.wire.api import CHECKSUM_NAMES_KEY
 from miles_sync.wire.bucket import pack_bucket
 from miles_sync.wire.codec import decode
 from miles_sync.wire.draft import DraftKind, DraftReport

@@ -385,3 +385,12 @@ def _decode_error(cls: type, body: object) -> str:
     with pytest.raises(ValueError) as info:
         p.decode(cls, body)
     return str(info.value)
+
+
+def test_checksum_names_key_is_the_server_info_field_the_client_decodes():
+    from miles_sync.wire.api import CHECKSUM_NAMES_KEY, ServerInfo
+    from miles_sync.wire.protocol import ChecksumNames
+
+    assert CHECKSUM_NAMES_KEY in {f.name for f in dataclasses.fields(ServerInfo)}
+    info = p.decode(ServerInfo, {"tp_size": 2, CHECKSUM_NAMES_KEY: "hf", "other": 1}, allow_unknown=True)
+    assert info.miles_sync_checksum_names is ChecksumNames.HF

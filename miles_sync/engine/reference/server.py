@@ -35,6 +35,7 @@ from aiohttp import web
 
 from miles_sync import __version__
 from miles_sync.engine.reference.engine import ReferenceEngine
+from miles_sync.wire.api import CHECKSUM_NAMES_KEY
 from miles_sync.wire.codec import WireEnum, decode, encode
 from miles_sync.wire.protocol import (
     ALWAYS_OPEN_PREFIXES,
@@ -49,7 +50,6 @@ from miles_sync.wire.protocol import (
 
 __all__ = [
     "ADMIN_PATHS",
-    "CHECKSUM_NAMES_KEY",
     "HEALTH_PATHS",
     "NORMAL_PATHS",
     "AuthLevel",
@@ -64,7 +64,6 @@ HEALTH_PATHS = frozenset({"/health", "/health_generate"})
 ADMIN_PATHS = frozenset({*ENDPOINTS, "/flush_cache"} - NORMAL_PATHS - HEALTH_PATHS)
 # /get_server_info key naming what /weights_checker checksum answers ("hf" or "engine"). A real SGLang server
 # lacks it, and always answers engine names.
-CHECKSUM_NAMES_KEY = "miles_sync_checksum_names"
 
 
 class AuthLevel(WireEnum):
