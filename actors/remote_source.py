@@ -44,16 +44,13 @@ def _deliver_progress(actor: object, token: str, event: BucketProgress) -> None:
 @dataclass(frozen=True)
 class _ProgressPush:
     """The source rank's `on_bucket`: pushes each acknowledged bucket to the controller actor. Picklable; never
-    blocks or raises into the send (progress must never fail a sync)."""
+    blocks (fire and forget). ModelSource.send already keeps a failing `on_bucket` from failing the send."""
 
     controller: Any
     token: str
 
     def __call__(self, event: BucketProgress) -> None:
-        try:
-            self.controller.__ray_call__.remote(_deliver_progress, self.token, event)
-        except Exception:  # the controller going away is the send's business, not progress's
-            pass
+        self.controller.__ray_call__.remote(_deliver_progress, self.token, event)
 
 
 def _current_actor() -> Any | None:
