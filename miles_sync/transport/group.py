@@ -4,7 +4,9 @@ The group never touches torch.distributed's default group or its registry: the p
 directly on a `TCPStore` behind the prefixes SGLang's `init_custom_process_group` uses
 (`<group_name>` / `<group_name>/` / `<device>/`), so a trainer and engines using either helper meet in the same
 store, and a Megatron process that already has a default group can join a second, unrelated one. The trainer's
-source rank is rank 0 and usually hosts the store (`start_store_server`, port chosen by the OS).
+source rank is rank 0 and usually hosts the store (`start_store_server`, port chosen by the OS); every other rank
+connects with the group's world size, as torch's tcp:// rendezvous does, so it also meets a master that waits for
+its workers (an SGLang-style trainer's).
 
 Every blocking step has a timeout: store connection, rendezvous at creation, and each collective (`work.wait`).
 After a timed-out or failed collective the group is unusable (peers may be mid-collective): every later call raises,
@@ -175,11 +177,12 @@ def create_update_group(
 ) -> UpdateGroup:
     """Join (rank 0 with `store`: host) the group; blocks until all `world_size` ranks joined or `timeout_s` passed.
 
-    `store`: the `start_store_server` store when this rank hosts it; other ranks connect to
-    `master_address`:`master_port`. `local_address`: the address this rank's gloo transport binds; by default
-    127.0.0.1 when the master is on loopback, else gloo's own choice (GLOO_SOCKET_IFNAME). The timeout also becomes
-    the default for the group's collectives. Raises ValueError for bad arguments, TimeoutError when the rendezvous
-    does not complete in time.
+    `store`: the `start_store_server` store (or any master `TCPStore`) when this rank hosts it; other ranks connect
+    to `master_address`:`master_port` and register as one of the store's `world_size` users, so a master built
+    elsewhere with `world_size` and `wait_for_workers=True` (SGLang-style trainers) counts them. `local_address`:
+    the address this rank's gloo transport binds; by default 127.0.0.1 when the master is on loopback, else gloo's
+    own choice (GLOO_SOCKET_IFNAME). The timeout also becomes the default for the group's collectives. Raises
+    ValueError for bad arguments, TimeoutError when the rendezvous does not complete in time.
     """
     problems = []
     if backend not in _BACKENDS:
@@ -202,7 +205,10 @@ def create_update_group(
     timeout = timedelta(seconds=timeout_s)
     try:
         if store is None:
-            store = dist.TCPStore(master_address, master_port, is_master=False, timeout=timeout)
+            # With the world size the client registers itself with the master, as torch's tcp:// rendezvous (and so
+            # SGLang's `init_custom_process_group`) does on every rank; a master built with `wait_for_workers=True`
+            # waits for exactly those registrations. Without it the client never counts and such a master times out.
+            store = dist.TCPStore(master_address, master_port, world_size=world_size, is_master=False, timeout=timeout)
         device_type = "cuda" if backend == "nccl" else "cpu"
         prefixed = dist.PrefixStore(group_name, store)
         prefixed = dist.PrefixStore(f"{device_type}/", dist.PrefixStore(f"{group_name}/", prefixed))
