@@ -147,8 +147,8 @@ def start_job_actors(
             log(f"using {len(urls)} running engine server(s): {', '.join(urls)}")
         else:
             log(
-                f"starting {config.engines.count} {config.engines.kind.value} engine(s) and "
-                f"{config.trainer.world_size} trainer rank(s) (TP={config.trainer.tp})"
+                f"starting {config.engines.count} {config.engines.kind.value} engine(s) (TP={config.engines.tp}) "
+                f"and {config.trainer.world_size} trainer rank(s) (TP={config.trainer.tp})"
             )
         # Engines and trainer ranks start at once: each side spends most of its start-up importing.
         with _Background(_start_engines, config, checkpoint, placed, engine_log_dir) as engine_start:
@@ -296,6 +296,7 @@ def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
         num_engines=config.engines.count,
         trainer=DEFAULT_TRAINER_RESOURCES,
         engine=DEFAULT_ENGINE_RESOURCES,
+        engine_tp_size=config.engines.tp,
     )
     return create_placement_groups(plan, timeout_s=_PLACEMENT_TIMEOUT_S, name_prefix=config.run_name)
 

@@ -86,6 +86,7 @@ class SyncConfig:
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     count: int = 2
+    tp: int = 1  # tensor-parallel ranks of each launched engine (running servers given by `urls` report their own)
     kind: EngineKind = EngineKind.REFERENCE
     urls: tuple[str, ...] = ()  # already running servers to use instead of launching `count` engines
     weight_layout: WeightLayout = WeightLayout.AITER
@@ -100,6 +101,8 @@ class EngineConfig:
         problems = []
         if self.count < 1:
             problems.append(f"count={self.count} must be at least 1")
+        if self.tp < 1:
+            problems.append(f"tp={self.tp} must be at least 1")
         if self.urls and len(self.urls) != self.count:
             problems.append(f"urls has {len(self.urls)} entries but count={self.count}; give one url per engine")
         bad_urls = [u for u in self.urls if not u.startswith(("http://", "https://"))]
@@ -122,6 +125,7 @@ class EngineConfig:
             weight_layout=self.weight_layout,
             finalize_policy=self.finalize_policy,
             spec_steps=self.spec_steps,
+            tp_size=self.tp,
             collective_timeout_s=collective_timeout_s,
             api_key=self.api_key,
             admin_api_key=self.admin_api_key,

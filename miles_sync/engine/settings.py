@@ -32,6 +32,11 @@ class EngineSettings:
     weight_layout: WeightLayout = WeightLayout.NONE
     finalize_policy: FinalizePolicy = FinalizePolicy.STRICT
     spec_steps: int = 3
+    tp_size: int = 1  # tensor-parallel ranks of the engine
     collective_timeout_s: float | None = None
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"invalid EngineSettings: tp_size={self.tp_size} must be at least 1")

@@ -26,7 +26,12 @@ class SGLangEngineSpec:
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> SGLangEngineSpec:
-        return cls(model_path=settings.model_dir, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
+        return cls(
+            model_path=settings.model_dir,
+            tp_size=settings.tp_size,
+            api_key=settings.api_key,
+            admin_api_key=settings.admin_api_key,
+        )
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

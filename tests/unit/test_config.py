@@ -150,7 +150,7 @@ def test_every_invalid_value_is_named_at_once():
             lambda: SyncConfig(bucket_bytes=-1, http_timeout_s=0.0, collective_timeout_s=float("inf")),
             ["bucket_bytes=-1", "http_timeout_s=0.0", "collective_timeout_s=inf"],
         ),
-        (lambda: EngineConfig(count=0, spec_steps=0), ["count=0", "spec_steps=0"]),
+        (lambda: EngineConfig(count=0, spec_steps=0, tp=0), ["count=0", "spec_steps=0", "tp=0"]),
         (
             lambda: EngineConfig(count=3, urls=("http://127.0.0.1:1", "127.0.0.1:2")),
             ["urls has 2 entries but count=3", "'127.0.0.1:2'"],
@@ -264,3 +264,34 @@ def test_to_config_accepts_a_hydra_composed_config():
     config = to_config(cfg)
     assert config.sync.transport is TransportKind.COLOCATED and config.engines.count == 2
     assert to_config(OmegaConf.to_container(cfg)) == config  # a plain mapping works too
+
+
+def test_engine_tp_defaults_to_one_and_reaches_the_launch_settings(tmp_path):
+    config = load_config()
+    assert config.engines.tp == 1
+    assert config.engines.launch_settings(model_dir="m").tp_size == 1
+    config = load_config(overrides=["engines.tp=4", "engines.count=1"])
+    assert config.engines.tp == 4
+    assert config.engines.launch_settings(model_dir="m").tp_size == 4
+    (tmp_path / "tp.yaml").write_text(to_yaml(config))
+    assert load_config(tmp_path, "tp") == config
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("engines.tp=0", "invalid config: engines: tp=0 must be at least 1"),
+        ("engines.tp=-2", "invalid config: engines: tp=-2 must be at least 1"),
+        ("engines.tp=two", "config key 'engines.tp': Value 'two' of type 'str' could not be converted"),
+    ],
+)
+def test_invalid_engine_tp_names_its_key(override, expected):
+    with pytest.raises(ValueError) as info:
+        load_config(overrides=[override])
+    assert expected in str(info.value)
+
+
+def test_the_run_report_records_the_engine_tp():
+    from miles_sync.job.run_report import config_record
+
+    assert config_record(load_config(overrides=["engines.tp=2"]))["engines"]["tp"] == 2

@@ -274,6 +274,7 @@ CONFIG_FIELDS = {
     "trainer": {"tp": None, "pp": None, "dp": None, "ep": None, "lr": None},
     "engines": {
         "count": None,
+        "tp": None,
         "kind": None,
         "urls": None,
         "weight_layout": None,

@@ -27,6 +27,7 @@ class ReferenceEngineSpec:
     weight_layout: WeightLayout = WeightLayout.NONE
     finalize_policy: FinalizePolicy = FinalizePolicy.STRICT
     spec_steps: int = 3
+    tp_size: int = 1  # tensor-parallel ranks; 1 keeps the command line of an engine without TP
     is_draft_frozen: bool = False
     num_threads: int | None = 1  # torch intra-op threads of the server; None: torch's default
     collective_timeout_s: float | None = None  # None: the server's default (MILES_SYNC_COLLECTIVE_TIMEOUT_S)
@@ -42,6 +43,7 @@ class ReferenceEngineSpec:
             weight_layout=settings.weight_layout,
             finalize_policy=settings.finalize_policy,
             spec_steps=settings.spec_steps,
+            tp_size=settings.tp_size,
             collective_timeout_s=settings.collective_timeout_s,
             api_key=settings.api_key,
             admin_api_key=settings.admin_api_key,
@@ -54,6 +56,8 @@ class ReferenceEngineSpec:
                 problems.append(f"{what} must be None or a non-empty string")
         if self.spec_steps < 1:
             problems.append(f"spec_steps={self.spec_steps} must be at least 1")
+        if self.tp_size < 1:
+            problems.append(f"tp_size={self.tp_size} must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:
             problems.append(f"num_threads={self.num_threads} must be at least 1 (or None)")
         if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
@@ -87,6 +91,8 @@ class ReferenceEngineSpec:
             argv += ["--draft", self.draft_dir]
         if self.is_draft_frozen:
             argv.append("--draft-is-frozen")
+        if self.tp_size > 1:
+            argv += ["--tp-size", str(self.tp_size)]
         if self.num_threads is not None:
             argv += ["--threads", str(self.num_threads)]
         if self.collective_timeout_s is not None:
