@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # Bump when the training code changes in a way that changes the bytes, so cached checkpoints are rebuilt.
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,9 +84,10 @@ class CheckpointRecipe:
         )
     )
     # Narrower than the target, so target tensors selected into the draft conflict by shape instead of loading.
+    # Two attention heads (one KV head, replicated) so the draft also runs at TP=2.
     draft: ModelShape = field(
         default_factory=lambda: ModelShape(
-            hidden_size=96, intermediate_size=256, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1
+            hidden_size=96, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
         )
     )
     dtype: str = "float32"

@@ -1,0 +1,229 @@
+"""How a tensor-parallel SGLang-style engine stores HF weights: which slice each TP rank keeps, how slices fuse
+into the engine's own parameters, and what its weights checker therefore hashes. Pure functions over tensors.
+
+The rules are SGLang's parallel layers (`sglang/srt/layers/linear.py`, `vocab_parallel_embedding.py`):
+
+- column-parallel (q/k/v, gate/up; weight and bias): each rank keeps a contiguous block of output rows. Attention
+  heads and the MLP intermediate size must divide by the TP size. Key/value heads divide by it too, or, when the
+  TP size is at least their count, one KV head is replicated on `tp_size // num_kv_heads` consecutive ranks (rank r
+  keeps head `r // replicas`); a KV head count that neither divides nor is divided by the TP size is refused.
+- row-parallel (o_proj, down_proj): each rank keeps a block of input columns; a bias is kept whole.
+- vocab-parallel (embed_tokens, lm_head): the vocabulary is padded to a multiple of 64, then split in contiguous
+  row blocks; padding rows are zero.
+- everything else (norms, the MTP head's enorm/hnorm/eh_proj) is replicated.
+
+Fusion: a rank's `self_attn.qkv_proj` is cat(q, k, v slices) along dim 0 and `mlp.gate_up_proj` cat(gate, up
+slices) (`miles_sync.weights.checksum.sglang_parameter_names`). Post-processing (a `WeightLayout`) then applies to
+each fused linear weight whose shape and dtype it covers. The checker hashes these physical rank tensors with
+SGLang's CPU `tensor_hash`, so `rank_engine_digests` predicts a faithful engine's answer from the HF tensors sent.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_sync.weights.checksum import sglang_parameter_names, sglang_reported_name, sglang_tensor_hash
+from miles_sync.weights.layout import WeightLayout, layout_spec
+
+__all__ = [
+    "VOCAB_PADDING",
+    "ShardKind",
+    "TPShape",
+    "is_linear_weight",
+    "rank_engine_digests",
+    "rank_engine_tensors",
+    "shard_kind",
+    "shard_rows",
+    "shard_tensor",
+    "tp_problems",
+]
+
+VOCAB_PADDING = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE
+
+
+class ShardKind(enum.Enum):
+    REPLICATED = "replicated"
+    QUERY = "query"  # column-parallel over attention heads
+    KEY_VALUE = "key_value"  # column-parallel over KV heads, replicated when they are fewer than the ranks
+    COLUMN = "column"  # column-parallel over the MLP intermediate size
+    ROW = "row"  # row-parallel: input columns split, bias whole
+    VOCAB = "vocab"  # vocab-parallel rows, padded
+
+
+_MODULE_KINDS = (
+    ("self_attn.q_proj", ShardKind.QUERY),
+    ("self_attn.k_proj", ShardKind.KEY_VALUE),
+    ("self_attn.v_proj", ShardKind.KEY_VALUE),
+    ("mlp.gate_proj", ShardKind.COLUMN),
+    ("mlp.up_proj", ShardKind.COLUMN),
+    ("self_attn.o_proj", ShardKind.ROW),
+    ("mlp.down_proj", ShardKind.ROW),
+    ("embed_tokens", ShardKind.VOCAB),
+    ("lm_head", ShardKind.VOCAB),
+)
+# Engine parameters that are linear weights, the tensors a post-processing layout may transform.
+_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "eh_proj", "lm_head")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPShape:
+    """The dimensions of one decoder family that decide its TP split (read from an HF config)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> TPShape:
+        """From a transformers config object or its config.json mapping."""
+
+        def get(key: str, default: Any = None) -> Any:
+            value = config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+            if value is None:
+                raise ValueError(f"config has no {key!r}: cannot derive the engine's tensor-parallel layout")
+            return int(value)
+
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        head_dim = (config.get("head_dim") if isinstance(config, Mapping) else getattr(config, "head_dim", None)) or (
+            hidden // heads
+        )
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=get("num_key_value_heads", heads),
+            head_dim=int(head_dim),
+            intermediate_size=get("intermediate_size"),
+            vocab_size=get("vocab_size"),
+        )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        return max(1, self.num_key_value_heads // tp_size)
+
+    def kv_replicas(self, tp_size: int) -> int:
+        return max(1, tp_size // self.num_key_value_heads)
+
+
+def tp_problems(shape: TPShape, tp_size: int) -> list[str]:
+    """What SGLang refuses at start-up for this shape at `tp_size`, each naming the dimension (empty: it runs)."""
+    if tp_size < 1:
+        return [f"tp_size={tp_size} must be at least 1"]
+    problems = []
+    if shape.num_attention_heads % tp_size:
+        problems.append(f"num_attention_heads={shape.num_attention_heads} is not divisible by tp_size={tp_size}")
+    kv = shape.num_key_value_heads
+    if (tp_size >= kv and tp_size % kv) or (tp_size < kv and kv % tp_size):
+        problems.append(
+            f"num_key_value_heads={kv} neither divides nor is divisible by tp_size={tp_size} (KV heads are split "
+            f"across ranks, or replicated when there are fewer of them than ranks)"
+        )
+    if shape.intermediate_size % tp_size:
+        problems.append(f"intermediate_size={shape.intermediate_size} is not divisible by tp_size={tp_size}")
+    if shape.padded_vocab_size % tp_size:
+        problems.append(
+            f"vocab_size={shape.vocab_size} padded to {shape.padded_vocab_size} is not divisible by tp_size={tp_size}"
+        )
+    return problems
+
+
+def shard_kind(hf_name: str) -> ShardKind:
+    """How the engine splits the HF tensor `hf_name` across TP ranks."""
+    module = hf_name.rsplit(".", 1)[0]
+    for suffix, kind in _MODULE_KINDS:
+        if module == suffix or module.endswith("." + suffix):
+            if kind is ShardKind.ROW and hf_name.endswith(".bias"):
+                return ShardKind.REPLICATED
+            return kind
+    return ShardKind.REPLICATED
+
+
+def is_linear_weight(engine_name: str) -> bool:
+    """Whether `engine_name` (HF or fused) is the weight of a linear layer."""
+    module, _, leaf = engine_name.rpartition(".")
+    return leaf == "weight" and module.rsplit(".", 1)[-1] in _LINEAR_MODULES
+
+
+def shard_rows(hf_name: str, num_rows: int, *, shape: TPShape, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, end) of the dim-0 rows of `hf_name` rank `tp_rank` keeps (column/vocab kinds; all rows otherwise)."""
+    kind = shard_kind(hf_name)
+    if kind is ShardKind.QUERY or kind is ShardKind.COLUMN:
+        size = num_rows // tp_size
+        return tp_rank * size, (tp_rank + 1) * size
+    if kind is ShardKind.KEY_VALUE:
+        size = shape.kv_heads_per_rank(tp_size) * shape.head_dim
+        block = tp_rank // shape.kv_replicas(tp_size)
+        return block * size, (block + 1) * size
+    if kind is ShardKind.VOCAB:
+        size = shape.padded_vocab_size // tp_size
+        return tp_rank * size, (tp_rank + 1) * size
+    return 0, num_rows
+
+
+def shard_tensor(hf_name: str, tensor: torch.Tensor, *, shape: TPShape, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The slice of one full HF tensor that rank `tp_rank` of `tp_size` keeps (a view where it can be one; vocab
+    shards are padded with zero rows)."""
+    kind = shard_kind(hf_name)
+    if kind is ShardKind.REPLICATED:
+        return tensor
+    if kind is ShardKind.ROW:
+        size = tensor.shape[-1] // tp_size
+        return tensor[..., tp_rank * size : (tp_rank + 1) * size]
+    start, end = shard_rows(hf_name, tensor.shape[0], shape=shape, tp_rank=tp_rank, tp_size=tp_size)
+    if kind is not ShardKind.VOCAB:
+        return tensor[start:end]
+    local = tensor.new_zeros((end - start, *tensor.shape[1:]))
+    real = max(0, min(end, tensor.shape[0]) - start)
+    local[:real] = tensor[start : start + real]
+    return local
+
+
+def rank_engine_tensors(
+    hf_tensors: Mapping[str, torch.Tensor],
+    *,
+    shape: TPShape,
+    tp_rank: int,
+    tp_size: int,
+    layout: WeightLayout = WeightLayout.NONE,
+) -> dict[str, torch.Tensor]:
+    """{engine parameter name: the physical tensor rank `tp_rank` stores} for one runner's full HF tensors."""
+    spec = layout_spec(layout)
+    result = {}
+    for engine_name, parts in sglang_parameter_names(hf_tensors).items():
+        shards = [shard_tensor(p, hf_tensors[p], shape=shape, tp_rank=tp_rank, tp_size=tp_size) for p in parts]
+        tensor = shards[0].contiguous() if len(shards) == 1 else torch.cat(shards, dim=0)
+        if is_linear_weight(engine_name) and spec.applies_to(tuple(tensor.shape), tensor.dtype):
+            tensor = spec.apply(tensor)
+        result[engine_name] = tensor
+    return result
+
+
+def rank_engine_digests(
+    roles: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
+    *,
+    shape: TPShape,
+    tp_size: int,
+    layout: WeightLayout = WeightLayout.NONE,
+) -> tuple[dict[str, str], ...]:
+    """Per TP rank, the checksums a faithful engine's checker answers for these runners: (role name, full HF
+    tensors) pairs, target first; draft-role names get their role as prefix, as SGLang merges them."""
+    roles = list(roles)
+    per_rank = []
+    for tp_rank in range(tp_size):
+        checksums = {}
+        for role_name, tensors in roles:
+            engine = rank_engine_tensors(tensors, shape=shape, tp_rank=tp_rank, tp_size=tp_size, layout=layout)
+            for name, tensor in engine.items():
+                checksums[sglang_reported_name(role_name, name)] = sglang_tensor_hash(tensor)
+        per_rank.append(checksums)
+    return tuple(per_rank)
