@@ -111,7 +111,7 @@ CASES = {
         True,
         "/update_weights_from_tensor",
         lambda env: {**_tensor_body("x"), "serialized_named_tensors": ["x", "y"]},
-        "takes exactly one",
+        "takes exactly 1 (one per TP rank)",
     ),
     "unaligned-tensor-bucket": (
         True,

@@ -26,22 +26,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from miles_sync.engine.reference.groups import UpdateGroups
+from miles_sync.engine.reference.backend import AllocationError, EngineDown, LocalBackend, WeightBackend
 from miles_sync.engine.reference.runner import Runner
 from miles_sync.engine.reference.scheduler import Scheduler
-from miles_sync.engine.reference.weights_checker import WeightsChecker
 from miles_sync.engine.settings import FinalizePolicy
-from miles_sync.transport.group import UpdateGroup
-from miles_sync.wire.bucket import BucketEntry, TensorMeta, layout_from_metadata, unpack_bucket
+from miles_sync.weights.checksum import sglang_parameter_names
+from miles_sync.wire.bucket import BucketEntry, TensorMeta, layout_from_metadata
 from miles_sync.wire.draft import DraftKind, DraftReport
 from miles_sync.wire.dtypes import dtype_from_name
-from miles_sync.wire.payload import decode_payload
 from miles_sync.wire.protocol import (
     BeginWeightUpdateRequest,
     ChecksumNames,
@@ -73,9 +71,6 @@ __all__ = ["ReferenceEngine"]
 
 logger = logging.getLogger(__name__)
 
-_TP_RANK = 0  # this engine runs every runner at TP=1
-_TP_SIZE = 1
-_SOURCE_RANK = 0  # the trainer's source rank in every update group
 _MAX_PROBLEMS_SHOWN = 8
 
 
@@ -87,25 +82,6 @@ class _Session:
 
     def has_loaded(self) -> bool:
         return any(runner.loaded_in_session() for runner in self.runners)
-
-
-class _AllocationError(Exception):
-    """The receive buffer a payload claims cannot be allocated; raised before anything is received."""
-
-
-_MAX_TENSOR_BYTES = 2**63 - 1  # torch sizes are int64
-
-
-def _allocate(make: Callable[[], torch.Tensor], num_bytes: int) -> torch.Tensor:
-    """`make()`, with a claimed size past int64 or the host's memory reported as a refusal, not a crash (torch
-    raises TypeError, RuntimeError or MemoryError, depending on how far past)."""
-    if num_bytes > _MAX_TENSOR_BYTES:
-        raise _AllocationError(f"the payload claims {num_bytes} bytes, more than a tensor can hold (2**63 - 1)")
-    try:
-        return make()
-    except (TypeError, OverflowError, MemoryError, RuntimeError) as exc:
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # torch appends a C++ trace to some
-        raise _AllocationError(f"cannot allocate the {num_bytes} bytes the payload claims: {first_line}") from None
 
 
 class ReferenceEngine:
@@ -129,6 +105,7 @@ class ReferenceEngine:
         draft_is_frozen: bool = False,
         checksum_names: ChecksumNames = ChecksumNames.HF,
         draft_role: str = Role.DRAFT.value,
+        backend: WeightBackend | None = None,
     ) -> None:
         draft_kind = DraftKind(draft_kind)
         problems = []
@@ -157,10 +134,11 @@ class ReferenceEngine:
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._last_failure: str | None = None
-        self._groups = UpdateGroups(timeout_s=collective_timeout_s)
-        self._receive_buffer: torch.Tensor | None = None  # see _bucket_buffer
         self._draft_role = draft_role
-        self._checker = WeightsChecker(self._runners, checksum_names=checksum_names, draft_role=draft_role)
+        # TP=1 runners live here; a multi-rank engine passes the backend that drives its rank processes.
+        self._backend: WeightBackend = backend or LocalBackend(
+            self._runners, timeout_s=collective_timeout_s, checksum_names=checksum_names, draft_role=draft_role
+        )
 
     # ---- state -------------------------------------------------------------------------------------------------
 
@@ -177,7 +155,16 @@ class ReferenceEngine:
     @property
     def checksum_names(self) -> ChecksumNames:
         """What /weights_checker checksum answers: HF names and logical bytes, or SGLang's engine names and bytes."""
-        return self._checker.checksum_names
+        return self._backend.checksum_names
+
+    @property
+    def tp_size(self) -> int:
+        return self._backend.tp_size
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve at all (a TP rank died), None while it can."""
+        return self._backend.failure
 
     @property
     def draft_role(self) -> str:
@@ -253,8 +240,20 @@ class ReferenceEngine:
                 runner.finalize_all()
                 continue
             loaded = runner.loaded_in_session()
+            partial = runner.partially_loaded()
+            if partial:
+                # A TP engine fuses q/k/v and gate/up into one parameter: transforming one whose other parts still
+                # hold post-processed bytes would transform those twice.
+                parts = sglang_parameter_names(runner.owned_names())
+                loaded = loaded - {name for fused in partial for name in parts[fused]}
+                problems.append(
+                    f"the {runner.role.value} runner loaded only some parts of the fused parameter(s) "
+                    f"{shorten(partial, limit=_MAX_PROBLEMS_SHOWN)}; the strict finalize policy leaves them untouched"
+                )
             if loaded:
                 runner.finalize(sorted(loaded))
+            elif partial:
+                continue
             else:
                 hint = " (a frozen draft needs selector 'target')" if runner.role is Role.DRAFT else ""
                 problems.append(
@@ -281,32 +280,24 @@ class ReferenceEngine:
     def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> WeightUpdateResult:
         endpoint = "/update_weights_from_distributed"
         with self._update_step(endpoint, request.selector) as session:
-            group = self._groups.get(request.group_name)
             # Checks that decide whether the bytes can be received at all: failing them, nothing is received.
             entries = self._receive_layout(request)
             problems = self._payload_problems(session, [_meta(e) for e in entries])
+            is_bucket = request.load_format is LoadFormat.FLATTENED_BUCKET
             try:
-                named = self._receive(group, entries, is_bucket=request.load_format is LoadFormat.FLATTENED_BUCKET)
-            except _AllocationError as exc:  # before the first byte: the group is still usable
+                staged = self._backend.receive(request.group_name, entries, is_bucket=is_bucket)
+            except AllocationError as exc:  # before the first byte: the group is still usable
                 raise ValueError(str(exc)) from None
-            except (TimeoutError, RuntimeError) as exc:
-                raise ValueError(f"receiving failed, group {group.group_name!r} is unusable: {exc}") from None
-            result = self._load(session, named, problems, endpoint=endpoint, request=request)
+            result = self._load(session, staged, problems, endpoint=endpoint, request=request)
         return self._flush_after_update(result, endpoint=endpoint, flush_cache=request.flush_cache)
 
     def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> WeightUpdateResult:
         endpoint = "/update_weights_from_tensor"
         with self._update_step(endpoint, request.selector) as session:
-            if len(request.serialized_named_tensors) != _TP_SIZE:
-                raise ValueError(
-                    f"serialized_named_tensors has {len(request.serialized_named_tensors)} payloads; "
-                    f"this engine runs TP={_TP_SIZE} and takes exactly one"
-                )
             load_format = None if request.load_format is None else request.load_format.value
-            named = decode_payload(request.serialized_named_tensors[_TP_RANK], load_format=load_format)
-            metas = [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in named]
+            staged, metas = self._backend.decode(request.serialized_named_tensors, load_format=load_format)
             problems = self._payload_problems(session, metas)
-            result = self._load(session, named, problems, endpoint=endpoint, request=request)
+            result = self._load(session, staged, problems, endpoint=endpoint, request=request)
         return self._flush_after_update(result, endpoint=endpoint, flush_cache=request.flush_cache)
 
     @contextlib.contextmanager
@@ -344,33 +335,6 @@ class ReferenceEngine:
             entries.append(BucketEntry(name=name, shape=meta.shape, dtype=meta.dtype, start=0, end=meta.num_bytes))
         return tuple(entries)
 
-    def _receive(self, group: UpdateGroup, entries: Sequence[BucketEntry], *, is_bucket: bool) -> list:
-        """The trainer broadcasts once per bucket (flattened) or once per tensor in request order."""
-        if is_bucket:
-            buffer = _allocate(lambda: self._bucket_buffer(entries[-1].end, device=group.device), entries[-1].end)
-            group.broadcast(buffer, src=_SOURCE_RANK, timeout_s=self._timeout_s)
-            return unpack_bucket(buffer.cpu(), entries)
-        named = []
-        for entry in entries:
-            tensor = _allocate(
-                lambda entry=entry: torch.empty(entry.shape, dtype=entry.dtype, device=group.device),
-                entry.end - entry.start,
-            )
-            group.broadcast(tensor, src=_SOURCE_RANK, timeout_s=self._timeout_s)
-            named.append((entry.name, tensor.cpu()))
-        return named
-
-    def _bucket_buffer(self, num_bytes: int, *, device: torch.device) -> torch.Tensor:
-        """A receive buffer of `num_bytes`, reused from bucket to bucket on the CPU (a fresh one costs a page fault
-        per 4 KiB and an munmap, about as long as the receive). Safe: payloads run one at a time under the engine
-        lock, and `Runner.load` copies out of the buffer before the payload answers."""
-        if device.type != "cpu":
-            return torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        if self._receive_buffer is None or self._receive_buffer.numel() < num_bytes:
-            self._receive_buffer = None  # free the old one before allocating the larger one
-            self._receive_buffer = torch.empty(num_bytes, dtype=torch.uint8)
-        return self._receive_buffer[:num_bytes]
-
     def _payload_problems(self, session: _Session, metas: Sequence[TensorMeta]) -> list[str]:
         """Everything wrong with a payload for this session's runners; empty when every runner can load it."""
         problems = []
@@ -404,21 +368,18 @@ class ReferenceEngine:
                     )
         return problems
 
-    def _load(
-        self, session: _Session, named: list, problems: list[str], *, endpoint: str, request
-    ) -> WeightUpdateResult:
+    def _load(self, session: _Session, staged, problems: list[str], *, endpoint: str, request) -> WeightUpdateResult:
         if problems:
+            self._backend.discard(staged)
             raise ValueError(f"no weight changed: {shorten(problems, limit=_MAX_PROBLEMS_SHOWN, sep='; ')}")
         if request.abort_all_requests:
             self._scheduler.abort_all(f"aborted by {endpoint}(abort_all_requests=true)")
-        num_loaded = {}
         # Validated above: a load that raises now is an engine fault, and earlier runners may hold the new bytes
         # (the session records the failure; the engine serves them anyway, as SGLang would).
-        for runner in session.runners:
-            num_loaded[runner.role.value] = len(runner.load(named))
+        num_loaded = self._backend.load(session.runners, staged)
         if request.weight_version is not None:
             self._scheduler.set_weight_version(request.weight_version)
-        return WeightUpdateResult(success=True, message=f"loaded {len(named)} tensor(s); per role: {num_loaded}")
+        return WeightUpdateResult(success=True, message=f"loaded tensor(s) per role: {num_loaded}")
 
     def _flush_after_update(
         self, result: WeightUpdateResult, *, endpoint: str, flush_cache: bool
@@ -453,32 +414,27 @@ class ReferenceEngine:
     # ---- update groups -----------------------------------------------------------------------------------------
 
     def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> WeightUpdateResult:
-        """Join the group; blocks until the rendezvous completes (run it off the server's event loop)."""
-        rank = request.rank_offset + _TP_RANK
-        if rank == _SOURCE_RANK or rank >= request.world_size:
-            raise ValueError(
-                f"engine rank {rank} (rank_offset {request.rank_offset} + tp_rank {_TP_RANK}) must be in "
-                f"1..{request.world_size - 1}: rank {_SOURCE_RANK} is the trainer's source"
-            )
-        self._groups.join(
+        """Join the group, every TP rank at rank_offset + tp_rank; blocks until the rendezvous completes (run it
+        off the server's event loop)."""
+        message = self._backend.join_group(
             master_address=request.master_address,
             master_port=request.master_port,
-            rank=rank,
+            rank_offset=request.rank_offset,
             world_size=request.world_size,
             group_name=request.group_name,
             backend=request.backend,
         )
-        return WeightUpdateResult(success=True, message=f"joined {request.group_name!r} as rank {rank}")
+        return WeightUpdateResult(success=True, message=message)
 
     def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> WeightUpdateResult:
         # Under the engine lock: never tear a group down under a payload that is receiving on it.
         with self._locked("destroy_weights_update_group"):
-            self._groups.destroy(request.group_name)
+            self._backend.destroy_group(request.group_name)
         return WeightUpdateResult(success=True, message=f"destroyed {request.group_name!r}")
 
     def shutdown(self) -> None:
-        self._groups.close()
         self._scheduler.shutdown()
+        self._backend.close()
 
     # ---- version, checker --------------------------------------------------------------------------------------
 
@@ -493,12 +449,15 @@ class ReferenceEngine:
         with self._locked("weights_checker"):
             roles = {runner.role for runner in self._select(request.selector)}
             # reset_tensors is SGLang's test hook: random weights keep serving, open session or not.
-            return self._checker.handle(request, roles=roles)
+            return self._backend.check(request, roles=roles)
 
     # ---- generation --------------------------------------------------------------------------------------------
 
     def submit_generate(self, request: GenerateRequest) -> Future:
-        """Queue a generation (it waits while paused); raises ValueError for a bad request."""
+        """Queue a generation (it waits while paused); raises ValueError for a bad request, EngineDown when the
+        engine's ranks are gone."""
+        if self.failure is not None:
+            raise EngineDown(f"the engine is down: {self.failure}")
         return self._scheduler.submit(request)
 
     def pause_generation(self, request: PauseGenerationRequest) -> GenerationControlResult:
@@ -529,6 +488,8 @@ class ReferenceEngine:
             "num_running": self._scheduler.num_running,
             "num_waiting": self._scheduler.num_waiting,
             "last_failure": self._last_failure,
+            "engine_failure": self.failure,
+            "tp_rank_pids": list(self._backend.rank_pids),
         }
 
     # ---- plumbing ----------------------------------------------------------------------------------------------

@@ -205,6 +205,10 @@ class CausalLM(nn.Module):
     def linear_weight_names(self) -> frozenset[str]:
         return frozenset(linear_weight_names(self.hf))
 
+    def shared_modules(self) -> dict[str, nn.Module]:
+        """The embedding and lm_head an MTP head shares with this model, as `MTPHead.forward` keyword arguments."""
+        return {"embed_tokens": self.hf.model.embed_tokens, "lm_head": self.hf.lm_head}
+
     def forward(self, input_ids: torch.Tensor) -> LMOutput:
         hidden = self.hf.model(input_ids=input_ids, use_cache=False).last_hidden_state
         return LMOutput(logits=self.hf.lm_head(hidden), hidden=hidden)

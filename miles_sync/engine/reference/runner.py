@@ -150,6 +150,10 @@ class Runner:
         with self.weights_lock:
             self._loaded.clear()
 
+    def partially_loaded(self) -> list[str]:
+        """Fused parameters only partly loaded in this session: none, this runner stores every HF tensor apart."""
+        return []
+
     # ---- post-load processing ---------------------------------------------------------------------------------
 
     def finalize(self, names: Iterable[str]) -> None:

@@ -2,7 +2,7 @@
 
     python -m miles_sync.engine.reference.serve --model DIR/target [--draft-kind mtp|standalone|ngram|none]
         [--draft DIR/draft] [--weight-layout none|aiter] [--finalize-policy strict|sglang] [--spec-steps K]
-        [--checksum-names hf|engine] [--draft-role draft|draft_step_0]
+        [--checksum-names hf|engine] [--draft-role draft|draft_step_0] [--tp-size N]
         [--host 127.0.0.1] [--port P] [--api-key KEY] [--admin-api-key KEY] [--threads T]
 
 Binds loopback unless told otherwise (default host from MILES_SYNC_HOST). `--port 0` lets the OS pick; once the
@@ -11,6 +11,13 @@ process can read the port. Logs go to stderr and never contain a key. SIGTERM or
 The keys are best passed as $MILES_SYNC_ENGINE_API_KEY and $MILES_SYNC_ENGINE_ADMIN_API_KEY (what EngineLauncher
 does): `--api-key` and `--admin-api-key` show on the command line, which every local user can read. See server.py
 for which routes need which key (SGLang's rules).
+
+`--tp-size N` (N > 1) runs the engine as SGLang runs a TP engine: this process is the HTTP front and N rank
+processes each hold their slice of every runner (attention heads, MLP intermediate and vocabulary split; see
+miles_sync/weights/engine_layout.py), join every weight-update group at rank_offset + tp_rank, and answer the
+weights checker per rank with engine names (the default, and the only choice, at N > 1). A dimension N does not
+divide is refused at start-up, naming it. If a rank dies, the whole engine stops serving: /health answers 503
+with the reason and every request is refused until the engine is restarted.
 
 `--checksum-names engine` makes /weights_checker checksum answer what SGLang's checker answers (engine parameter
 names, physical bytes, SGLang's digests) instead of HF names over logical bytes; `--draft-role draft_step_0` names
@@ -25,21 +32,24 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 
 import torch
 from aiohttp import web
 
 from miles_sync.engine.reference.engine import ReferenceEngine
-from miles_sync.engine.reference.models import load_tokenizer
+from miles_sync.engine.reference.models import load_tokenizer, read_config
+from miles_sync.engine.reference.ranks import RankBackend, RankRunnerView, start_rank_engine
 from miles_sync.engine.reference.runner import DRAFT_KINDS, load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.server import ServerSettings, create_app
 from miles_sync.engine.settings import FinalizePolicy
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, read_environment
+from miles_sync.weights.engine_layout import TPShape, tp_problems
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
-from miles_sync.wire.protocol import ChecksumNames
+from miles_sync.wire.protocol import ChecksumNames, Role
 
 __all__ = ["DRAFT_ROLES", "build_engine", "main", "parse_args"]
 
@@ -64,9 +74,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--checksum-names",
         choices=[n.value for n in ChecksumNames],
-        default=ChecksumNames.HF.value,
-        help="hf: HF names, logical bytes; engine: SGLang's checker (fused engine names, physical bytes)",
+        default=None,
+        help="hf: HF names, logical bytes (the default at TP=1); engine: SGLang's checker (fused engine names, "
+        "physical bytes; the default and only choice at TP > 1)",
     )
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each")
     parser.add_argument("--draft-role", choices=DRAFT_ROLES, default=DRAFT_ROLES[0])
     parser.add_argument("--host", default=env.host)
     parser.add_argument("--port", type=int, default=0, help="0: the OS picks a free port")
@@ -86,6 +98,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     problems = []
+    if args.tp_size < 1:
+        problems.append(f"--tp-size {args.tp_size} must be >= 1")
+    if args.checksum_names is None:
+        args.checksum_names = (ChecksumNames.HF if args.tp_size == 1 else ChecksumNames.ENGINE).value
+    elif args.tp_size > 1 and args.checksum_names != ChecksumNames.ENGINE.value:
+        problems.append(f"--checksum-names {args.checksum_names} needs --tp-size 1: TP ranks hold shards")
     if args.spec_steps < 1:
         problems.append(f"--spec-steps {args.spec_steps} must be >= 1")
     if not 0 <= args.port < 2**16:
@@ -103,6 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def build_engine(args: argparse.Namespace) -> ReferenceEngine:
     """Load the runners (finalized once, as at start-up), start the scheduler, wrap both in the engine."""
+    if args.tp_size > 1:
+        return _build_rank_engine(args)
     layout = WeightLayout(args.weight_layout)
     target, draft = load_runners(args.model, draft_kind=args.draft_kind, draft_path=args.draft, layout=layout)
     scheduler = Scheduler(
@@ -124,6 +144,62 @@ def build_engine(args: argparse.Namespace) -> ReferenceEngine:
         checksum_names=ChecksumNames(args.checksum_names),
         draft_role=args.draft_role,
     )
+
+
+def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
+    """Start the TP rank processes (each loads and shards the checkpoint), then the front's scheduler and engine."""
+    config = read_config(args.model)
+    checked = [("the target", config)] + ([("the draft", read_config(args.draft))] if args.draft else [])
+    problems = [
+        f"{what} ({path}): {problem}"
+        for (what, model_config), path in zip(checked, (args.model, args.draft))
+        for problem in tp_problems(TPShape.from_config(model_config), args.tp_size)
+    ]
+    if problems:  # before spawning anything: what SGLang refuses at start-up
+        raise ValueError(f"cannot run at --tp-size {args.tp_size}: " + "; ".join(problems))
+    fleet, metadata = start_rank_engine(
+        tp_size=args.tp_size,
+        host=args.host,
+        model_path=str(args.model),
+        draft_kind=args.draft_kind,
+        draft_path=args.draft,
+        weight_layout=WeightLayout(args.weight_layout),
+        draft_role=args.draft_role,
+        collective_timeout_s=args.collective_timeout_s,
+        num_threads=args.threads,
+    )
+    try:
+        lock = threading.RLock()  # the front's weights lock: forward steps and weight writes, across all ranks
+        target = RankRunnerView(fleet, role=Role.TARGET, config=config, metadata=metadata["target"], weights_lock=lock)
+        draft = None
+        if Role.DRAFT.value in metadata:
+            draft_config = read_config(args.draft) if args.draft is not None else config
+            draft = RankRunnerView(
+                fleet, role=Role.DRAFT, config=draft_config, metadata=metadata["draft"], weights_lock=lock
+            )
+        scheduler = Scheduler(
+            target=target,
+            draft=draft,
+            draft_kind=args.draft_kind,
+            spec_steps=args.spec_steps,
+            tokenizer=load_tokenizer(args.model),
+        )
+        return ReferenceEngine(
+            target=target,
+            draft=draft,
+            draft_kind=DraftKind(args.draft_kind),
+            scheduler=scheduler,
+            model_path=str(args.model),
+            finalize_policy=FinalizePolicy(args.finalize_policy),
+            collective_timeout_s=args.collective_timeout_s,
+            draft_is_frozen=args.draft_is_frozen,
+            checksum_names=ChecksumNames.ENGINE,
+            draft_role=args.draft_role,
+            backend=RankBackend(fleet, weights_lock=lock),
+        )
+    except BaseException:
+        fleet.close()
+        raise
 
 
 async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
@@ -151,9 +227,10 @@ async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
             loop.add_signal_handler(signum, stop.set)
         url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
         logger.info(
-            "serving %s (draft %s as %r, layout %s, finalize policy %s, checksum names %s, api key %s, admin api "
-            "key %s)",
+            "serving %s at TP=%d (draft %s as %r, layout %s, finalize policy %s, checksum names %s, api key %s, "
+            "admin api key %s)",
             args.model,
+            args.tp_size,
             args.draft_kind,
             args.draft_role,
             args.weight_layout,
@@ -180,7 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    engine = build_engine(args)
+    try:
+        engine = build_engine(args)
+    except ValueError as exc:  # a refusal at start-up (a TP size a dimension does not divide, a bad checkpoint)
+        logger.error("cannot start: %s", exc)
+        return 2
     try:
         asyncio.run(_serve(args, engine))
     finally:

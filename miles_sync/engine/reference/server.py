@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from miles_sync import __version__
+from miles_sync.engine.reference.backend import EngineDown
 from miles_sync.engine.reference.engine import ReferenceEngine
 from miles_sync.wire.api import CHECKSUM_NAMES_KEY
 from miles_sync.wire.codec import WireEnum, decode, encode
@@ -194,6 +195,8 @@ def create_app(
 
     async def health_generate(request: web.Request) -> web.Response:
         del request
+        if engine.failure is not None:
+            return web.Response(status=503, text=f"unhealthy: {engine.failure}")
         if not engine.is_paused:
             # One real token, as SGLang's health check does: the scheduler loop must be alive.
             probe = GenerateRequest(input_ids=(0,), sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -202,6 +205,8 @@ def create_app(
 
     async def health(request: web.Request) -> web.Response:
         del request
+        if engine.failure is not None:  # a TP rank died: the engine serves nothing until it is restarted
+            return web.Response(status=503, text=f"unhealthy: {engine.failure}")
         return web.Response(text="ok")
 
     async def model_info(request: web.Request) -> web.Response:
@@ -217,7 +222,7 @@ def create_app(
         return _json(
             {
                 "model_path": settings.model_path,
-                "tp_size": 1,
+                "tp_size": engine.tp_size,
                 "speculative_algorithm": _SPECULATIVE_ALGORITHMS.get(settings.draft_kind),
                 "speculative_num_steps": settings.spec_steps if settings.draft_kind != "none" else None,
                 "draft_kind": settings.draft_kind,
@@ -305,6 +310,8 @@ async def _error_middleware(request: web.Request, handler):
         raise
     except ValueError as exc:
         return _failure(400, str(exc))
+    except EngineDown as exc:
+        return _failure(503, f"{request.path}: {exc}")
     except (TimeoutError, asyncio.TimeoutError) as exc:
         return _failure(503, f"{request.path} timed out: {exc}")
     except Exception as exc:  # an engine fault answers 500 with its message; the server keeps serving

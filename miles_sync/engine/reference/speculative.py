@@ -22,7 +22,6 @@ from typing import Protocol
 
 import torch
 
-from miles_sync.engine.reference.models import CausalLM, MTPHead
 from miles_sync.engine.reference.runner import Runner
 
 __all__ = [
@@ -92,12 +91,11 @@ class MTPProposer:
     needs_target_hidden = True
 
     def __init__(self, *, draft: Runner, target: Runner, num_steps: int) -> None:
-        if not isinstance(draft.model, MTPHead) or not isinstance(target.model, CausalLM):
+        if not draft.is_mtp or target.is_mtp:
             raise ValueError(f"MTP drafting needs an MTP draft runner and a causal LM target; got {draft}, {target}")
         self.num_steps = num_steps
         self._head = draft.model
-        self._embed = target.model.hf.model.embed_tokens
-        self._lm_head = target.model.hf.lm_head
+        self._shared = target.model.shared_modules()  # empty for a multi-rank engine: each rank passes its own
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in inputs]
@@ -118,7 +116,7 @@ class MTPProposer:
             hidden = torch.zeros(len(rows), ids.shape[1], hiddens[rows[0]].shape[-1], dtype=hiddens[rows[0]].dtype)
             for b, i in enumerate(rows):
                 hidden[b, : hiddens[i].shape[0]] = hiddens[i]
-            out = self._head(ids, hidden, embed_tokens=self._embed, lm_head=self._lm_head)
+            out = self._head(ids, hidden, **self._shared)
             for b, i in enumerate(rows):
                 last = len(next_ids[i]) - 1
                 token = int(out.logits[b, last].argmax())
@@ -134,7 +132,7 @@ class StandaloneProposer:
     needs_target_hidden = False
 
     def __init__(self, *, draft: Runner, target: Runner, num_steps: int) -> None:
-        if not isinstance(draft.model, CausalLM):
+        if draft.is_mtp:
             raise ValueError(f"standalone drafting needs a causal LM draft runner; got {draft}")
         draft_vocab, target_vocab = draft.model.config.vocab_size, target.model.config.vocab_size
         if draft_vocab != target_vocab:

@@ -65,19 +65,20 @@ class WeightsChecker:
         *,
         checksum_names: ChecksumNames = ChecksumNames.HF,
         draft_role: str = Role.DRAFT.value,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         if role_kind(draft_role) is not Role.DRAFT:
             raise ValueError(f"draft_role {draft_role!r} is not a draft role ('draft' or 'draft_step_<i>')")
+        sharded = [role.value for role, runner in runners.items() if _holds_shards(runner)]
+        if sharded and ChecksumNames(checksum_names) is not ChecksumNames.ENGINE:
+            raise ValueError(f"the {', '.join(sharded)} runner(s) hold TP shards: only engine checksum names apply")
         self._runners = runners
         self._names = ChecksumNames(checksum_names)
         self._role_names = {Role.TARGET: Role.TARGET.value, Role.DRAFT: draft_role}
+        self._tp_rank, self._tp_size = tp_rank, tp_size
         self._parts: dict[Role, _Parts] = {
-            role: (
-                sglang_parameter_names(runner.owned_names())
-                if self._names is ChecksumNames.ENGINE
-                else {name: (name,) for name in runner.owned_names()}
-            )
-            for role, runner in runners.items()
+            role: _checker_parts(runner, self._names) for role, runner in runners.items()
         }
         self._snapshot: dict[tuple[Role, str], torch.Tensor] | None = None
 
@@ -135,7 +136,15 @@ class WeightsChecker:
                 checksums[key] = digest
             infos.append(
                 ParallelismInfo(
-                    role=role_name, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1
+                    role=role_name,
+                    tp_rank=self._tp_rank,
+                    tp_size=self._tp_size,
+                    dp_rank=0,
+                    dp_size=1,
+                    pp_rank=0,
+                    pp_size=1,
+                    rank=self._tp_rank,
+                    size=self._tp_size,
                 )
             )
         if self._names is ChecksumNames.ENGINE:
@@ -180,6 +189,21 @@ class WeightsChecker:
                 runner.overwrite([(name, _random_unlike(stored[name])) for name in names])
             num_reset += len(names)
         return WeightsCheckerResult(success=True, message=f"reset {num_reset} tensor(s) to random values")
+
+
+def _holds_shards(runner: Runner) -> bool:
+    """A `sharded.ShardedRunner` (duck-typed: it stores the engine's own fused parameters, keyed by engine name)."""
+    return hasattr(runner, "engine_parts")
+
+
+def _checker_parts(runner: Runner, names: ChecksumNames) -> _Parts:
+    """{name the checker answers: the stored tensors it covers}. A sharded runner stores the engine's own fused
+    parameters already; a TP=1 runner stores HF tensors, fused here for engine names."""
+    if _holds_shards(runner):
+        return {name: (name,) for name in runner.stored_tensors()}
+    if names is ChecksumNames.ENGINE:
+        return sglang_parameter_names(runner.owned_names())
+    return {name: (name,) for name in runner.owned_names()}
 
 
 def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
