@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT, attached_source
+from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.source import RankInfo, RankSendResult
@@ -123,9 +124,14 @@ class RemoteTrainerSource:
         return results[self._source_index]
 
     async def send(
-        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
+        self,
+        *,
+        selector: Selector,
+        on_bucket: Callable[[BucketProgress], None] | None = None,
+        engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult:
-        # Every rank exports at once (the gather's collectives pair up); only the source's result carries bytes.
+        # Every rank exports at once (the gather's collectives pair up); only the source's result carries bytes
+        # (and the engine digests, which only the source rank computes).
         seen: set[int] = set()
 
         def receive(event: BucketProgress) -> None:
@@ -143,6 +149,7 @@ class RemoteTrainerSource:
                 timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S,
                 selector=selector,
                 on_bucket=push,
+                engine_digests=engine_digests,
             )
             sent = results[self._source_index]
             for event in sent.progress:  # whatever no push delivered (yet), in order

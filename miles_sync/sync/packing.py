@@ -12,13 +12,15 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.buffers import BucketBuffers
 from miles_sync.sync.plan import BucketPlan, plan_buckets
 from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.wire.bucket import FlattenedBucket, pack_bucket, unpack_bucket
 
-__all__ = ["PackStream", "PackedBucket", "StagedStream", "bucket_checksums", "pair_with_plans"]
+__all__ = ["PackStream", "PackedBucket", "StagedStream", "bucket_checksums", "bucket_tensors", "pair_with_plans"]
 
 
 def pair_with_plans(
@@ -54,7 +56,13 @@ class PackedBucket:
 
 def bucket_checksums(bucket: FlattenedBucket) -> dict[str, str]:
     """Checksum of every tensor in the bucket, from the packed bytes (what the engines receive)."""
-    return {name: tensor_checksum(view) for name, view in unpack_bucket(bucket.buffer, bucket.entries)}
+    return {name: tensor_checksum(view) for name, view in bucket_tensors(bucket)}
+
+
+def bucket_tensors(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:
+    """(name, view into the bucket's buffer) of every tensor, in packing order; the views live as long as the buffer
+    holds this bucket."""
+    return list(unpack_bucket(bucket.buffer, bucket.entries))
 
 
 class StagedStream:

@@ -51,10 +51,13 @@ class EngineResult:
     `is_stale`: the engine may hold partial weights (bytes may have reached it and the sync did not verify on it),
     so it is left paused and must not serve until a later full sync verifies on it; its weights are never touched
     to quarantine it. `weight_version` is the version it was tagged with, when known. `verification`: the check
-    that passed on it ("exact": tensor by tensor against the trainer; "replica": identical to the majority of the
-    engines with its layout; "unverified": no check could run, e.g. a single engine answering engine-parameter
-    digests; "" when verification is off or did not pass). `weights_digest`: one digest of its checksum answer for
-    the session's roles once verified, the baseline that a later failed sync compares the engine against.
+    that passed on it (miles_sync.sync.verify: "exact": HF-named digests, tensor by tensor against the trainer;
+    "engine-exact": engine-parameter digests, per TP rank, role and parameter against the trainer's prediction for
+    the engine's layout; "replica": identical to the majority of the engines with its layout, where no layout
+    model exists; "unverified": no check could run, e.g. a single engine without a layout model; "" when
+    verification is off or did not pass). `num_verified_tensors`: the sent tensors that matched (exact,
+    engine-exact) or the engine parameters compared (replica). `weights_digest`: one digest of its checksum answer
+    for the session's roles once verified, the baseline that a later failed sync compares the engine against.
     """
 
     url: str
@@ -85,7 +88,8 @@ class SyncReport:
     error: str | None = None
     # The trainer's checksum of every tensor it sent (HF name -> hex digest), empty when nothing was sent.
     checksums: dict[str, str] = field(default_factory=dict)
-    # The checks that ran, fleet-wide: "off", or the distinct per-engine `verification` values joined by "+".
+    # The checks that passed, fleet-wide: "off", or the distinct per-engine `verification` values joined by "+"
+    # (e.g. "engine-exact+exact"); `summary()` prints it.
     verification: str = "off"
     # Problems that did not fail the sync (e.g. an in_place pause whose cache flush after resume never succeeded).
     warnings: tuple[str, ...] = ()

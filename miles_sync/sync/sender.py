@@ -10,7 +10,8 @@ Buffers live in `miles_sync.sync.buffers`, the export + pack streams in `miles_s
 `WeightSource` protocol the Sender implements in `miles_sync.sync.weight_source`.
 
 The sender also returns the checksum of every tensor it sent, hashed from the packed bytes, i.e. exactly what went
-on the wire; the session compares them with each engine's checksums.
+on the wire; the session compares them with each engine's checksums. Given an engine digest plan, the same hasher
+thread also predicts what each engine layout's checker answers per TP rank (miles_sync.sync.engine_digests).
 
 Colocated fan-out (`feeds`): every trainer rank of the feed plan holds its own copy of each bucket for the engine
 ranks on its device (miles_sync.transport.colocated). The source leads each bucket through the fan-out and ends it
@@ -31,7 +32,8 @@ import torch
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.buffers import DoubleBuffer, FreshBuffers, trim_heap
-from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, bucket_checksums
+from miles_sync.sync.engine_digests import EngineDigester, EngineDigestPlan
+from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, bucket_checksums, bucket_tensors
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.weight_source import SendResult, StageResult
 from miles_sync.transport.base import (
@@ -269,8 +271,14 @@ class Sender:
         )
 
     async def send(
-        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
+        self,
+        *,
+        selector: Selector,
+        on_bucket: Callable[[BucketProgress], None] | None = None,
+        engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult:
+        """Export (or replay the staged buckets) and send them; see WeightSource. With `engine_digests`, the source
+        also returns each planned layout's expected per-rank digests (`SendResult.engine_checksums`)."""
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         staged, self._staged = self._staged, None
@@ -295,9 +303,12 @@ class Sender:
                     pack_s=0.0,
                     send_s=time.perf_counter() - start,
                 )
+            digester = (
+                EngineDigester(engine_digests, names=self._names(), selector=selector) if engine_digests else None
+            )
             try:
                 totals = await self._send_buckets(
-                    stream, worker=worker, selector=selector, start=start, on_bucket=on_bucket
+                    stream, worker=worker, selector=selector, start=start, on_bucket=on_bucket, digester=digester
                 )
             except BaseException as exc:
                 with contextlib.suppress(Exception):  # the original failure is the one to report
@@ -315,6 +326,7 @@ class Sender:
             export_s=stream.export_s,
             pack_s=stream.pack_s,
             send_s=time.perf_counter() - start,
+            engine_checksums={} if digester is None else digester.finish(),
         )
 
     async def _follow(self, draining: asyncio.Future) -> None:
@@ -338,6 +350,7 @@ class Sender:
         selector: Selector,
         start: float,
         on_bucket: Callable[[BucketProgress], None] | None,
+        digester: EngineDigester | None,
     ) -> _Totals:
         transport = self._transport
         if transport is None:
@@ -347,7 +360,8 @@ class Sender:
         in_flight: tuple[asyncio.Task, asyncio.Future, PackedBucket] | None = None
         # Bucket i is hashed on its own thread while it is on the wire (the checksums are needed only once the send
         # is over), so the hash is off the path from packing to broadcasting. Both finish before bucket i + 2 is
-        # packed into the same buffer: the loop awaits them before it starts bucket i + 1.
+        # packed into the same buffer: the loop awaits them before it starts bucket i + 1. The engine digester
+        # runs there too, bucket by bucket in send order, and copies what it keeps past a bucket.
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-hash")
         try:
             while True:
@@ -363,8 +377,8 @@ class Sender:
                 task = asyncio.create_task(
                     transport.send_bucket(packed.bucket, selector=selector, timeout_s=self._settings.bucket_timeout_s)
                 )
-                if packed.checksums is None and self._settings.hash_buckets:
-                    hashing = loop.run_in_executor(hasher, bucket_checksums, packed.bucket)
+                if (packed.checksums is None and self._settings.hash_buckets) or digester is not None:
+                    hashing = loop.run_in_executor(hasher, self._hash_bucket, packed, digester)
                 else:
                     hashing = loop.create_future()
                     hashing.set_result(packed.checksums or {})
@@ -379,6 +393,15 @@ class Sender:
             raise
         finally:
             hasher.shutdown(wait=False)
+
+    def _hash_bucket(self, packed: PackedBucket, digester: EngineDigester | None) -> dict[str, str]:
+        """On the hasher thread: the bucket's checksums (staged buckets bring theirs) and its engine digests."""
+        checksums = packed.checksums
+        if checksums is None:
+            checksums = bucket_checksums(packed.bucket) if self._settings.hash_buckets else {}
+        if digester is not None:
+            digester.add(bucket_tensors(packed.bucket))
+        return checksums
 
 
 class _Totals:

@@ -3,7 +3,7 @@
     selector (cross-checked against every engine's draft report, before anything is sent)
     pause (barrier) -> flush (unless in_place) -> begin(selector)
     source: export -> pack -> send, bucket by bucket
-    end -> update_weight_version -> verify (miles_sync.sync.verify: exact, or replica agreement)
+    end -> update_weight_version -> verify (miles_sync.sync.verify: exact, engine-exact, or replica agreement)
     continue_generation for every engine that may serve, also on failure; in_place: flush after the resume
 
 The session never raises for a failed sync: it returns a SyncReport with `committed` false, the error, and each
@@ -29,13 +29,13 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, 
 from dataclasses import dataclass, field
 
 from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.engine_digests import EngineDigestPlan, FleetLayouts, plan_engine_digests
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
-from miles_sync.sync.verify import EXACT, Verdict, checksum_problems, replica_verdicts, weights_digest
-from miles_sync.sync.weight_source import SendResult, WeightSource
+from miles_sync.sync.verify import fleet_verdicts, weights_digest
+from miles_sync.sync.weight_source import SendResult, WeightSource, accepts_engine_digests
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
-from miles_sync.wire.text import shorten
 
 __all__ = [
     "EngineBaseline",
@@ -45,8 +45,6 @@ __all__ = [
     "choose_selector",
     "run_sync_session",
 ]
-
-_NUM_PROBLEMS_SHOWN = 6
 
 
 class SessionError(RuntimeError):
@@ -165,6 +163,8 @@ async def _sync(
 ) -> None:
     run.selector = selector = await choose_selector(fleet.engines, source=source, inputs=inputs)
     t = fleet.timeout_s
+    # Which engines' answers the source can predict (engine-exact), decided before the pause.
+    layouts = await plan_engine_digests(fleet.engines, selector=selector, timeout_s=t) if verify else FleetLayouts()
     if staged:  # before the pause: the engines keep generating while the next version is exported and packed
         with clock.phase("stage"):
             await source.stage()
@@ -175,13 +175,13 @@ async def _sync(
         await fleet.step("begin", lambda e: e.begin_weight_update(selector, timeout_s=t))
     with clock.phase("send"):
         fleet.attempted.add("send")  # from here on, an engine that does not complete may hold partial weights
-        run.sent = await source.send(selector=selector, on_bucket=on_bucket)
+        run.sent = await _send(source, selector=selector, on_bucket=on_bucket, plan=layouts.plan)
     with clock.phase("finalize"):
         await fleet.step("end", lambda e: e.end_weight_update(timeout_s=t))
         await fleet.step("version", lambda e: e.update_weight_version(version, timeout_s=t))
     with clock.phase("verify"):
         if verify:
-            await _verify_fleet(fleet, sent=run.sent.checksums, selector=selector)
+            await _verify_fleet(fleet, sent=run.sent, selector=selector, layouts=layouts)
     run.is_complete = True
 
 
@@ -215,18 +215,38 @@ async def choose_selector(engines: Sequence[EngineAPI], *, source: WeightSource,
     return next(iter(choices.values()))
 
 
-async def _verify_fleet(fleet: _FleetSteps, *, sent: Mapping[str, str], selector: Selector) -> None:
-    """Each engine passes the strongest check its checksum answer allows (miles_sync.sync.verify); raises SessionError
-    naming the engine and tensors of every failure."""
+async def _send(
+    source: WeightSource,
+    *,
+    selector: Selector,
+    on_bucket: Callable[[BucketProgress], None] | None,
+    plan: EngineDigestPlan,
+) -> SendResult:
+    # A source written before engine digests (a pipeline's own WeightSource) takes no plan: the engines it would
+    # have predicted fall back to the replica check.
+    if plan and accepts_engine_digests(source):
+        return await source.send(selector=selector, on_bucket=on_bucket, engine_digests=plan)
+    return await source.send(selector=selector, on_bucket=on_bucket)
+
+
+async def _verify_fleet(fleet: _FleetSteps, *, sent: SendResult, selector: Selector, layouts: FleetLayouts) -> None:
+    """Each engine passes the strongest check its checksum answer allows (miles_sync.sync.verify.fleet_verdicts);
+    raises SessionError naming the engine and tensors (engine-exact: rank, role and parameter) of every failure."""
     request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
     results = await fleet.step("verify-checksum", lambda e: e.weights_checker(request, timeout_s=fleet.timeout_s))
     answers = {e.url: r.ranks for e, r in zip(fleet.engines, results)}
-    hf_named = {e.url for e in fleet.engines if _checksum_names(e) is ChecksumNames.HF}
-    verdicts = replica_verdicts({u: a for u, a in answers.items() if u not in hf_named}, selector=selector)
-    for url in hf_named:
-        problems, num_verified = checksum_problems(sent=sent, ranks=answers[url], selector=selector)
-        message = shorten(problems, limit=_NUM_PROBLEMS_SHOWN, sep="; ")
-        verdicts[url] = Verdict(passed=not problems, method=EXACT, message=message, num_verified=num_verified)
+    predicted = {
+        url: sent.engine_checksums[layout] for url, layout in layouts.by_url.items() if layout in sent.engine_checksums
+    }
+    unpredicted = {url: "the source sent no digests for its layout" for url in layouts.by_url if url not in predicted}
+    verdicts = fleet_verdicts(
+        answers=answers,
+        selector=selector,
+        sent=sent.checksums,
+        hf_named={e.url for e in fleet.engines if _checksum_names(e) is ChecksumNames.HF},
+        predicted=predicted,
+        fallbacks={**layouts.fallbacks, **unpredicted},
+    )
     failures = []
     for engine in fleet.engines:
         verdict, state = verdicts[engine.url], fleet.state[engine.url]

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from miles_sync.export.registry import ConversionMode, build_exporter
 from miles_sync.export.units import ExportedUnit
+from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult
@@ -178,16 +179,27 @@ class ModelSource:
         self._call_timeout_s = settings.call_timeout_s
         return bound
 
-    def send(self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None) -> RankSendResult:
+    def send(
+        self,
+        *,
+        selector: Selector,
+        on_bucket: Callable[[BucketProgress], None] | None = None,
+        engine_digests: EngineDigestPlan | None = None,
+    ) -> RankSendResult:
         """Export and (on the source rank) send the current weights once. Raises on any failure; the transport must
         then be re-opened (the controller does it at the next sync). `on_bucket` is called on this rank's loop
-        thread as each bucket is acknowledged (the result's `progress` lists them all as well); it must not block."""
+        thread as each bucket is acknowledged (the result's `progress` lists them all as well); it must not block.
+        `engine_digests`: the layouts whose engine digests the source rank predicts (other ranks ignore it)."""
         sender = self._sender
         if sender is None:
             raise RuntimeError(f"rank {self._info.rank}: send before open()")
         self._progress = progress = []
         result = self._loop.run(
-            sender.send(selector=selector, on_bucket=functools.partial(_record, progress, on_bucket)),
+            sender.send(
+                selector=selector,
+                on_bucket=functools.partial(_record, progress, on_bucket),
+                engine_digests=engine_digests,
+            ),
             timeout_s=self._call_timeout_s,
             what=f"rank {self._info.rank} sending weights",
         )

@@ -1,14 +1,19 @@
 """What a sync can prove from each engine's `/weights_checker` checksum answer. Pure functions over records.
 
-Two kinds of answers, told apart at connect (`protocol.ChecksumNames`):
-- HF-named digests (the reference engine's default): the trainer's own checksums of what it sent are compared
-  tensor by tensor ("exact").
-- Engine-parameter digests (what SGLang answers: fused names, its TP shard, after post-processing): no trainer-side
-  number predicts them, so the engines that share a layout (same TP size, same names per rank) are compared with
-  each other ("replica"): an engine passes when its answer equals that of a strict majority of its layout group.
-  A group of one cannot be checked ("unverified"); two replicas that disagree both fail, since nothing says which
-  one is right. Agreement proves the replicas hold the same bytes, not that those are the trainer's: a payload
-  corrupted identically for every engine passes; the exact check needs HF-named digests.
+Each engine passes the strongest check its answer allows (`fleet_verdicts`); `Verdict.method` says which ran:
+- "exact" (HF-named digests, the reference engine's default at TP=1, `protocol.ChecksumNames.HF`): the trainer's
+  own checksums of what it sent, compared tensor by tensor.
+- "engine-exact" (engine-parameter digests, what SGLang answers: fused names, its TP shard, after
+  post-processing, SGLang's 16-hex CPU hash), when a layout model of the engine exists
+  (miles_sync.sync.engine_digests): the source predicted each rank's digests from the HF tensors it sent, and
+  they are compared per rank, role and parameter.
+- "replica" (engine-parameter digests without a layout model: no weight_layout reported, config unreadable,
+  an unmodeled family, or digests that are not 16-hex CPU hashes, e.g. SGLang's GPU Triton hash): the engines
+  that share a layout (same TP size, same names per rank) are compared with each other; an engine passes when its
+  answer equals that of a strict majority of its layout group. Two replicas that disagree both fail, since
+  nothing says which one is right. Agreement proves the replicas hold the same bytes, not that those are the
+  trainer's: a payload corrupted identically for every engine passes.
+- "unverified": a replica group of one; nothing to compare with.
 
 Only the roles the session's selector covers are compared: a frozen draft's digests are never read.
 """
@@ -17,33 +22,43 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from miles_sync.weights.checksum import compare_checksums
-from miles_sync.wire.protocol import RankChecksums, Selector, checksum_role, role_kind, selector_roles
+from miles_sync.weights.checksum import compare_checksums, sglang_parameter_names, sglang_reported_name
+from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_role, role_kind, selector_roles
 from miles_sync.wire.text import shorten
 
 __all__ = [
+    "ENGINE_EXACT",
     "EXACT",
     "REPLICA",
     "UNVERIFIED",
     "Verdict",
     "checksum_problems",
+    "engine_exact_problems",
+    "fleet_verdicts",
+    "has_cpu_digests",
     "replica_verdicts",
     "selected_checksums",
     "weights_digest",
 ]
 
 EXACT = "exact"
+ENGINE_EXACT = "engine-exact"
 REPLICA = "replica"
 UNVERIFIED = "unverified"
 _NUM_NAMES_SHOWN = 4
+_NUM_PROBLEMS_SHOWN = 6
+_CPU_DIGEST = re.compile(r"[0-9a-f]{16}")  # SGLang's CPU tensor_hash as its checker prints it
 
 
 @dataclass(frozen=True, kw_only=True)
 class Verdict:
-    """One engine's verification outcome: `method` is the check that ran (EXACT, REPLICA or UNVERIFIED)."""
+    """One engine's verification outcome: `method` is the check that ran (EXACT, ENGINE_EXACT, REPLICA or
+    UNVERIFIED); `num_verified` counts the sent HF tensors that matched (exact, engine-exact) or the compared
+    engine parameters (replica)."""
 
     passed: bool
     method: str
@@ -96,6 +111,136 @@ def checksum_problems(
         problems.extend(where + line for line in compare_checksums(expected, held))
         num_verified += sum(1 for key, checksum in expected.items() if held.get(key) == checksum)
     return problems, num_verified
+
+
+def has_cpu_digests(ranks: Sequence[RankChecksums]) -> bool:
+    """Whether the answer has ranks and every digest in it is SGLang's CPU `tensor_hash` (16 lowercase hex digits),
+    the only engine digest a trainer can predict; a GPU (Triton) hash is not."""
+    return bool(ranks) and all(_CPU_DIGEST.fullmatch(d) for rank in ranks for d in rank.checksums.values())
+
+
+def engine_exact_problems(
+    *,
+    expected: Sequence[Mapping[str, str]],
+    ranks: Sequence[RankChecksums],
+    selector: Selector,
+    sent_names: Collection[str],
+) -> tuple[list[str], int]:
+    """The engine-exact check of one engine's engine-parameter answer against the digests predicted for its layout.
+
+    `expected`: per TP rank, {name: digest} with draft names under the role "draft" (`engine_digests`); an answer's
+    own draft role ("draft_step_0", ...) is mapped onto them. Ranks are matched by their parallelism_info tp_rank.
+    Per rank and selected role, every predicted parameter must be reported with its digest ("differs",
+    "missing"), every reported one must be predicted ("extra": held but not sent), and every sent tensor
+    (`sent_names`, when known) must be part of some predicted parameter. Returns (problem lines, each naming rank,
+    role and parameter; number of sent tensors whose parameters all matched).
+    """
+    if len(ranks) != len(expected):
+        return [f"answered {len(ranks)} TP rank(s); its layout has {len(expected)}"], 0
+    ordered = _by_tp_rank(ranks)
+    if ordered is None:
+        return [f"its ranks' parallelism_info tp_rank values do not number 0..{len(ranks) - 1}"], 0
+    roles = selector_roles(selector)
+    parts = sglang_parameter_names(sent_names)  # engine parameter -> the sent HF tensors it concatenates
+    matched: set[str] = set()
+    failed: set[str] = set()
+    problems: list[str] = []
+    for tp_rank, (rank, held, predicted) in enumerate(
+        zip(ordered, selected_checksums(ordered, selector=selector), expected)
+    ):
+        wanted = _reported_expectation(predicted, roles=roles, draft_roles=_draft_roles(rank, held))
+        differs, missing, extra = [], [], []
+        for key in sorted(wanted.keys() | held.keys()):
+            role, name = checksum_role(key)
+            covered = parts.get(name, (name,))
+            if held.get(key) == wanted.get(key):
+                matched.update(covered)
+                continue
+            failed.update(covered)
+            where = f"rank {tp_rank} {role} {name}"
+            if key not in held:
+                missing.append(f"{where} missing: expected {wanted[key]}, not reported")
+            elif key not in wanted:
+                extra.append(f"{where} extra: reported {held[key]}, not predicted from what was sent")
+            else:
+                differs.append(f"{where} differs: expected {wanted[key]}, got {held[key]}")
+        problems += differs + missing + extra
+    unheld = sorted(set(sent_names) - matched - failed)
+    problems += [f"sent {name}: no runner covered by selector {selector.value!r} holds it" for name in unheld]
+    return problems, len((matched - failed) & set(sent_names))
+
+
+def _by_tp_rank(ranks: Sequence[RankChecksums]) -> list[RankChecksums] | None:
+    """The ranks in tp_rank order (their position where a rank has no parallelism_info); None if not 0..n-1."""
+    numbers = [r.parallelism_info[0].tp_rank if r.parallelism_info else i for i, r in enumerate(ranks)]
+    if sorted(numbers) != list(range(len(ranks))):
+        return None
+    return [rank for _, rank in sorted(zip(numbers, ranks), key=lambda pair: pair[0])]
+
+
+def _draft_roles(rank: RankChecksums, held: Mapping[str, str]) -> list[str]:
+    """The draft role names a rank answers for ("draft", "draft_step_<i>"), "draft" when it names none."""
+    named = {info.role for info in rank.parallelism_info} | {checksum_role(key)[0] for key in held}
+    return sorted(r for r in named if role_kind(r) is Role.DRAFT) or [Role.DRAFT.value]
+
+
+def _reported_expectation(
+    predicted: Mapping[str, str], *, roles: Collection[Role], draft_roles: Sequence[str]
+) -> dict[str, str]:
+    wanted = {}
+    for key, digest in predicted.items():
+        role, name = checksum_role(key)
+        kind = role_kind(role)
+        if kind in roles:
+            for role_name in draft_roles if kind is Role.DRAFT else (role,):
+                wanted[sglang_reported_name(role_name, name)] = digest
+    return wanted
+
+
+def fleet_verdicts(
+    *,
+    answers: Mapping[str, Sequence[RankChecksums]],
+    selector: Selector,
+    sent: Mapping[str, str],
+    hf_named: Collection[str],
+    predicted: Mapping[str, Sequence[Mapping[str, str]]],
+    fallbacks: Mapping[str, str] | None = None,
+) -> dict[str, Verdict]:
+    """Every engine's verdict by the strongest check its answer allows (see the module docstring).
+
+    `answers`: per engine URL, its checksum answer. `sent`: the trainer's HF checksums of what it sent. `hf_named`:
+    URLs answering HF-named digests (exact). `predicted`: per URL with a layout model, the expected per-rank engine
+    digests (engine-exact, when its answer holds CPU digests). Every other engine goes to the replica check;
+    `fallbacks` says why it had no layout model, and a failure message carries that reason.
+    """
+    reasons = dict(fallbacks or {})
+    verdicts: dict[str, Verdict] = {}
+    for url in hf_named:
+        problems, num_verified = checksum_problems(sent=sent, ranks=answers[url], selector=selector)
+        message = shorten(problems, limit=_NUM_PROBLEMS_SHOWN, sep="; ")
+        verdicts[url] = Verdict(passed=not problems, method=EXACT, message=message, num_verified=num_verified)
+    for url, expected in predicted.items():
+        if url in verdicts:
+            continue
+        if not has_cpu_digests(answers[url]):
+            reasons[url] = "its digests are not 16-hex CPU hashes (a GPU hash cannot be predicted)"
+            continue
+        problems, num_verified = engine_exact_problems(
+            expected=expected, ranks=answers[url], selector=selector, sent_names=sent.keys()
+        )
+        message = shorten(problems, limit=_NUM_PROBLEMS_SHOWN, sep="; ")
+        verdicts[url] = Verdict(passed=not problems, method=ENGINE_EXACT, message=message, num_verified=num_verified)
+    rest = {url: ranks for url, ranks in answers.items() if url not in verdicts}
+    for url, verdict in replica_verdicts(rest, selector=selector).items():
+        if url in reasons and not verdict.passed:
+            verdict = Verdict(
+                passed=False,
+                method=verdict.method,
+                message=f"{verdict.message} (no engine-exact check: {reasons[url]})",
+                num_verified=verdict.num_verified,
+            )
+        verdicts[url] = verdict
+    return verdicts
 
 
 def replica_verdicts(answers: Mapping[str, Sequence[RankChecksums]], *, selector: Selector) -> dict[str, Verdict]:

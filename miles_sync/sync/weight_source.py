@@ -6,22 +6,26 @@ actors, and by test doubles over a pipe.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
-__all__ = ["SendResult", "StageResult", "WeightSource"]
+__all__ = ["SendResult", "StageResult", "WeightSource", "accepts_engine_digests"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SendResult:
     """What one `send` delivered. `checksums`: tensor name -> checksum of the bytes sent (empty on non-source
     ranks). Times: `export_s` pulling units from the export stream, `pack_s` packing and hashing, both overlapped
-    with sending; `send_s` wall time of the whole send."""
+    with sending; `send_s` wall time of the whole send. `engine_checksums`: per layout of the send's
+    `EngineDigestPlan`, the digests each TP rank of an engine with that layout should answer
+    (miles_sync.sync.engine_digests); a layout the source could not predict is absent."""
 
     num_bytes: int
     num_buckets: int
@@ -30,6 +34,7 @@ class SendResult:
     export_s: float
     pack_s: float
     send_s: float
+    engine_checksums: dict[EngineLayout, tuple[dict[str, str], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +55,10 @@ class WeightSource(Protocol):
 
     `open` (re)builds the transport to `engines` (in membership order) and, for transports with an update group,
     joins `membership` while the engines do; it returns the membership bound to its port (None without a group).
-    `send` exports and sends the current weights once, calling `on_bucket` after each acknowledged bucket.
+    `send` exports and sends the current weights once, calling `on_bucket` after each acknowledged bucket; given an
+    `engine_digests` plan, it also predicts the engine-parameter digests of every layout in it
+    (`SendResult.engine_checksums`). A source without that parameter is still a WeightSource: its engines are
+    verified by replica agreement instead (`accepts_engine_digests`).
     `close` tears the transport down (idempotent). Any failure raises.
 
     Staged export (optional: `Sender` and the Ray proxy have it): `stage()` exports and packs every bucket of the
@@ -65,7 +73,20 @@ class WeightSource(Protocol):
     ) -> GroupMembership | None: ...
 
     async def send(
-        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
+        self,
+        *,
+        selector: Selector,
+        on_bucket: Callable[[BucketProgress], None] | None = None,
+        engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult: ...
 
     async def close(self) -> None: ...
+
+
+def accepts_engine_digests(source: WeightSource) -> bool:
+    """Whether `source.send` takes an `engine_digests` plan (sources written before it do not)."""
+    try:
+        parameters = inspect.signature(source.send).parameters
+    except (TypeError, ValueError):  # no signature to read: do not pass what it may not take
+        return False
+    return "engine_digests" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

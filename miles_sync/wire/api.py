@@ -56,12 +56,17 @@ class ServerInfo:
     """The part of /get_server_info a sync needs; real servers send many more keys, which are ignored.
 
     `miles_sync_checksum_names` is sent by the reference engine only; a server without it (SGLang) answers
-    engine-parameter digests.
+    engine-parameter digests. `model_path` (SGLang and the reference engine send it) locates the config.json that
+    decides the engine's TP split. `weight_layout` is the post-processing the engine applies after loading, the
+    wire value of `miles_sync.weights.layout.WeightLayout` ("none", "aiter"; a string here, since this layer sits
+    below the weights layer); only the reference engine sends it, and without it no engine digest can be predicted.
     """
 
     tp_size: int = 1
     speculative_algorithm: str | None = None
     miles_sync_checksum_names: ChecksumNames = ChecksumNames.ENGINE
+    model_path: str | None = None
+    weight_layout: str | None = None
 
 
 class EngineAPI(Protocol):

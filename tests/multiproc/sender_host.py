@@ -32,6 +32,9 @@ class SenderSettings:
     # Colocated: plan the feeds from devices (this process and every engine rank on one device), as a placed
     # trainer rank does, instead of the source-feeds-all default.
     plan_feeds: bool = False
+    # False: ignore the controller's engine-digest plan (as a source that cannot predict engine digests would), so
+    # engines answering engine names are checked by replica agreement.
+    predict_engine_digests: bool = True
     bucket_timeout_s: float = 20.0
     open_timeout_s: float = 20.0
     http_timeout_s: float = 20.0
@@ -157,8 +160,10 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
                     state["sender"] = make_sender(settings, feeds=feeds(settings, args[0]))
                 result = await state["sender"].open(engines=args[0], membership=args[1])
             elif op == "send":
+                selector, engine_digests = args
                 result = await state["sender"].send(
-                    selector=args,
+                    selector=selector,
+                    engine_digests=engine_digests if state["settings"].predict_engine_digests else None,
                     on_bucket=lambda progress, request_id=request_id: conn.send((request_id, "progress", progress)),
                 )
             elif op == "close":
@@ -222,8 +227,8 @@ class ProcessSource:
     async def open(self, *, engines: Sequence, membership):
         return await self.call("open", (tuple(engines), membership))
 
-    async def send(self, *, selector, on_bucket=None):
-        return await self.call("send", selector, on_progress=on_bucket)
+    async def send(self, *, selector, on_bucket=None, engine_digests=None):
+        return await self.call("send", (selector, engine_digests), on_progress=on_bucket)
 
     async def close(self) -> None:
         await self.call("close")

@@ -129,11 +129,16 @@ def sync_controller(urls, source) -> SyncController:
 @pytest.mark.slow
 def test_engine_named_digests_are_verified_by_replica_agreement(reference_checkpoints, source, tmp_path):
     """Three engines answering as SGLang does; the third stores its weights in another physical layout (as a
-    mis-configured server would), so its bytes differ from its replicas' although every HTTP call succeeded."""
+    mis-configured server would), so its bytes differ from its replicas' although every HTTP call succeeded. The
+    source predicts no engine digests here (the engine-exact check is test_tp_engine.py's and test_engine_digests'),
+    so agreement among replicas is the strongest check available."""
 
     async def main(urls):
         await source.call(
-            "configure", SenderSettings(transport="distributed", bucket_bytes=256 * 1024, include_mtp=False)
+            "configure",
+            SenderSettings(
+                transport="distributed", bucket_bytes=256 * 1024, include_mtp=False, predict_engine_digests=False
+            ),
         )
         ctl = sync_controller(urls[:2], source)
         await ctl.connect()

@@ -24,14 +24,16 @@ import torch
 from reference_server import checkpoint_tensors, generate, mtp_names, reference_server
 from sender_host import ProcessSource, SenderSettings, load_checkpoint, weights_at_step
 
+from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.sync.verify import engine_exact_problems
 from miles_sync.weights.engine_layout import TPShape, rank_engine_tensors
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.payload import encode_named_tensors
-from miles_sync.wire.protocol import PauseMode, Selector
+from miles_sync.wire.protocol import PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
 
 BUCKET_BYTES = 256 * 1024
 COLLECTIVE_TIMEOUT_S = 15.0
@@ -209,6 +211,8 @@ def test_distributed_sync_into_a_mixed_fleet_commits_verified_per_rank(fleet, so
     for report in reports:
         assert report.committed and report.selector is Selector.TARGET, report.error
         assert all(e.success and e.num_verified_tensors > 0 for e in report.engines), report.engines
+        # Each TP=2 engine against its per-rank prediction from the bytes sent; the TP=1 engine by HF digests.
+        assert [e.verification for e in report.engines] == ["engine-exact", "engine-exact", "exact"]
     tensors, num_layers = checkpoint
     weights = weights_at_step(tensors, 2)
     expected = expected_ranks(weights, shape=shape, tp_size=2, num_layers=num_layers, selector=Selector.TARGET)
@@ -234,12 +238,21 @@ def test_colocated_sync_posts_one_payload_per_rank_and_commits_verified(fleet, s
 
     report = asyncio.run(main())
     assert report.committed and report.selector is Selector.ALL, report.error
+    assert [e.verification for e in report.engines] == ["engine-exact", "engine-exact", "exact"]
+    assert len({e.num_verified_tensors for e in report.engines}) == 1  # every sent tensor, target and draft
     tensors, num_layers = checkpoint
     expected = expected_ranks(
         weights_at_step(tensors, 3), shape=shape, tp_size=2, num_layers=num_layers, selector=Selector.ALL
     )
     for server in fleet[:2]:
         assert [rank["checksums"] for rank in answer_ranks(server)] == expected
+
+
+async def _checker_answer(url: str, selector: Selector):
+    async with EngineClient(url, timeout_s=20.0) as client:
+        return await client.weights_checker(
+            WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
+        )
 
 
 def _tensor_session(server, payloads: list[str], *, selector: str = "target") -> tuple[int, dict]:
@@ -280,6 +293,12 @@ def test_a_corrupted_shard_on_one_rank_is_named(fleet, reference_checkpoints):
         held = [rank["checksums"] for rank in answer_ranks(tp2, "target")]
         differing = [(r, n) for r in range(2) for n in baseline[r] if held[r][n] != baseline[r][n]]
         assert differing == [(1, prefix + "qkv_proj.weight")]
+        # What a sync's engine-exact check reports for it: engine (the session adds the URL), rank, role, parameter.
+        answer = asyncio.run(_checker_answer(tp2.url, Selector.TARGET))
+        problems, _ = engine_exact_problems(
+            expected=baseline, ranks=answer.ranks, selector=Selector.TARGET, sent_names=()
+        )
+        assert len(problems) == 1 and problems[0].startswith(f"rank 1 target {prefix}qkv_proj.weight differs"), problems
     finally:
         assert _tensor_session(tp2, [encode_named_tensors(good) for _ in range(2)])[0] == 200
 

@@ -472,3 +472,31 @@ def test_sender_refuses_a_feed_role_that_disagrees_with_its_source_side():
     with pytest.raises(ValueError, match="needs a transport exactly on the source"):
         Sender(settings=settings, export=list, names=list, is_source=False, feeds=role)
     assert Sender(settings=settings, export=list, names=list, is_source=True, feeds=role).is_source
+
+
+def test_only_sources_that_take_an_engine_digest_plan_are_given_one(recording):
+    from miles_sync.sync.source import ModelSource
+    from miles_sync.sync.weight_source import accepts_engine_digests
+
+    class Older:  # a pipeline's own WeightSource, written before engine digests
+        async def send(self, *, selector, on_bucket=None): ...
+
+    class Forwarding:
+        async def send(self, **kwargs): ...
+
+    class Rank:
+        send = ModelSource.send
+
+    assert not accepts_engine_digests(Older())
+    assert accepts_engine_digests(Forwarding()) and accepts_engine_digests(Rank())
+    assert accepts_engine_digests(make_sender(model_units(1)))
+
+
+def test_a_send_without_a_plan_predicts_nothing(recording):
+    sender = make_sender(model_units(3))
+
+    async def main():
+        await sender.open(engines=ENGINES, membership=None)
+        return await sender.send(selector=Selector.ALL)
+
+    assert asyncio.run(main()).engine_checksums == {}
