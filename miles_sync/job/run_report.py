@@ -47,6 +47,7 @@ class RoundRecord:
     version: str  # the version the sync committed (the attempted one when it failed)
     committed: bool
     verified: bool  # committed, verification on, and every engine matched every exported tensor's checksum
+    verification: str  # the check that ran (exact, engine-exact, replica, ...; "+"-joined when engines differ)
     selector: str | None
     sync_s: float
     gbps: float
@@ -92,6 +93,7 @@ def round_record(
         version=report.version,
         committed=report.committed,
         verified=verified,
+        verification=report.verification,
         selector=None if report.selector is None else report.selector.value,
         sync_s=report.total_s,
         gbps=report.gb_per_s,
@@ -117,7 +119,7 @@ def round_record(
 
 def table_header() -> str:
     return (
-        f"{'round':>5} {'version':>7} {'sync_s':>7} {'GB/s':>6} {'pause_s':>7} {'verified':>8} "
+        f"{'round':>5} {'version':>7} {'sync_s':>7} {'GB/s':>6} {'pause_s':>7} {'verified':>18} "
         f"{'accept':>6} {'reward':>6} {'loss':>8}"
     )
 
@@ -125,10 +127,11 @@ def table_header() -> str:
 def format_row(row: RoundRecord | BaselineRecord) -> str:
     accept = "-" if row.accept_length is None else f"{row.accept_length:.3f}"
     if isinstance(row, BaselineRecord):
-        return f"{0:>5} {row.version:>7} {'-':>7} {'-':>6} {'-':>7} {'-':>8} {accept:>6} {row.reward:>6.3f} {'-':>8}"
+        return f"{0:>5} {row.version:>7} {'-':>7} {'-':>6} {'-':>7} {'-':>18} {accept:>6} {row.reward:>6.3f} {'-':>8}"
     verified = "yes" if row.verified else ("no" if row.committed else "FAILED")
+    verified = f"{verified} ({row.verification})" if row.verification and row.committed else verified
     return (
-        f"{row.round:>5} {row.version:>7} {row.sync_s:>7.3f} {row.gbps:>6.3f} {row.pause_s:>7.3f} {verified:>8} "
+        f"{row.round:>5} {row.version:>7} {row.sync_s:>7.3f} {row.gbps:>6.3f} {row.pause_s:>7.3f} {verified:>18} "
         f"{accept:>6} {row.reward:>6.3f} {row.loss:>8.4f}"
     )
 
