@@ -21,13 +21,9 @@ import torch
 import torch.distributed as dist
 
 from miles_sync.engine.reference.models import CausalLM, model_family, read_config, read_safetensors
+from miles_sync.engine.reference.parallel_models import ShardedCausalLM, ShardedMTPHead
 from miles_sync.engine.reference.runner import load_runners
-from miles_sync.engine.reference.sharded import (
-    ShardedCausalLM,
-    ShardedMTPHead,
-    ShardedRunner,
-    load_sharded_runners,
-)
+from miles_sync.engine.reference.sharded import ShardedRunner, load_sharded_runners
 from miles_sync.transport.group import start_store_server
 from miles_sync.weights.engine_layout import rank_engine_tensors, shard_tensor
 from miles_sync.weights.layout import WeightLayout, layout_spec
