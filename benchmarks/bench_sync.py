@@ -16,13 +16,17 @@ started from the same checkpoint:
   colocated: miles_sync's shared-memory path vs a pickled copy through a pipe into another process vs one memcpy.
 
 Sweeps on the largest model of the run: bucket size (16 MiB to 1 GiB; quick: to 256 MiB) with the peak RSS growth
-of the sending process and of one engine; 1 to 4 engines; staged export on and off (pause window / sync wall).
+of the sending process and of one engine; 1 to 4 engines; staged export on and off (pause window / sync wall); and
+one TP=1 engine against one TP=2 engine (`serve --tp-size 2`: an HTTP front and 2 rank processes), distributed and
+colocated, verify off, with the bytes each engine rank received: for distributed, measured as the TCP bytes its
+sockets received during the measured syncs (the kernel's tcp_info, read with `ss`); for colocated, derived (each
+rank maps a payload covering the whole bucket, so bytes per rank = bytes sent; no socket carries them).
 Each measured sync is the median of `--repeats` syncs after one warm-up sync (group set-up excluded). Phase times
 come from the SyncReport the controller returns.
 
 Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_to_end_gbps, speedup_vs_per_tensor
-(model with the most tensors), colocated_vs_memcpy, pause_fraction, peak_extra_mem_over_bucket; then the tables,
-torch/ray versions and the core count.
+(model with the most tensors), colocated_vs_memcpy, pause_fraction, peak_extra_mem_over_bucket; then the tables
+(the TP comparison is the largest model's `tp_cases`), torch/ray versions and the core count.
 """
 
 from __future__ import annotations
@@ -35,13 +39,17 @@ import multiprocessing
 import os
 import pickle
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -76,6 +84,7 @@ NO_DRAFT = SelectorInputs(
 TIMEOUTS = SessionTimeouts(control_s=300.0, sync_s=1800.0)
 CALL_TIMEOUT_S = 300.0
 ENGINES = 2  # per model; the engine sweep goes to 4
+ENGINE_TP = 2  # the TP case's engine, measured against a TP=1 engine
 
 
 def log(message: str) -> None:
@@ -167,6 +176,7 @@ class Measured:
     report: SyncReport
     sender_peak_bytes: int = 0  # over the sender's RSS before the series (its buffers live as long as the Sender)
     engine_peak_bytes: int = 0  # over the RSS the engine had right after it started (its receive buffer persists)
+    tcp_received: dict[int, float] = field(default_factory=dict)  # per counted pid: TCP bytes per measured sync
 
 
 def run_syncs(
@@ -179,6 +189,7 @@ def run_syncs(
     staged: bool = False,
     sample_pids: Sequence[int] = (),
     engine_start_rss: dict[int, int] | None = None,
+    count_pids: Sequence[int] = (),
 ) -> Measured:
     async def go() -> Measured:
         controller = SyncController(
@@ -200,18 +211,23 @@ def run_syncs(
         await controller.connect()
         try:
             await controller.sync()  # warm-up: group set-up, first-touch of buffers
+            # Counted over the measured syncs only, before the group's sockets close with the controller.
+            before = tcp_bytes_received(count_pids)
             reports = [await controller.sync() for _ in range(repeats)]
+            received = received_per_pid(before, tcp_bytes_received(count_pids), pids=count_pids, repeats=repeats)
         finally:
             await controller.close()
             await source.close()
             peaks = {} if sampler is None else sampler.stop()
         median = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
         if sampler is None:
-            return Measured(report=median)
+            return Measured(report=median, tcp_received=received)
         sender, *engines = sample_pids
         start_rss = engine_start_rss or {}
         engine_peak = max((sampler.peak[p] - start_rss.get(p, sampler.baseline[p]) for p in engines), default=0)
-        return Measured(report=median, sender_peak_bytes=peaks[sender], engine_peak_bytes=engine_peak)
+        return Measured(
+            report=median, sender_peak_bytes=peaks[sender], engine_peak_bytes=engine_peak, tcp_received=received
+        )
 
     measured = asyncio.run(go())
     if not measured.report.committed:
@@ -222,6 +238,31 @@ def run_syncs(
 def pause_window_s(report: SyncReport) -> float:
     p = report.phases
     return p.pause_s + p.send_s + p.finalize_s + p.verify_s + p.resume_s
+
+
+def tcp_bytes_received(pids: Sequence[int]) -> dict[tuple[int, str], int]:
+    """Bytes each connected TCP socket of `pids` has received so far, keyed by (pid, local and peer address), from
+    the kernel's tcp_info as `ss` prints it. Empty without pids or without `ss`."""
+    if not pids or shutil.which("ss") is None:
+        return {}
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True, timeout=60).stdout
+    counts = {}
+    for block in re.split(r"\n(?=\S)", out):  # a socket's line, then its indented tcp_info line
+        received = re.search(r"\bbytes_received:(\d+)", block)  # absent while nothing was received
+        owners = {int(pid) for pid in re.findall(r"\bpid=(\d+),", block)} & set(pids)
+        for pid in owners:
+            counts[(pid, " ".join(block.split()[3:5]))] = int(received.group(1)) if received else 0
+    return counts
+
+
+def received_per_pid(
+    before: dict[tuple[int, str], int], after: dict[tuple[int, str], int], *, pids: Sequence[int], repeats: int
+) -> dict[int, float]:
+    """TCP bytes per sync each pid received between two snapshots. A socket opened in between counts from zero; one
+    closed in between is lost (HTTP keep-alives at most: the update group's sockets live across the syncs)."""
+    if not after:
+        return {}
+    return {pid: sum(n - before.get(key, 0) for key, n in after.items() if key[0] == pid) / repeats for pid in pids}
 
 
 # ---- baselines outside the engines ----------------------------------------------------------------------------
@@ -359,12 +400,13 @@ def memcpy_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> float:
 
 
 class EngineFleet:
-    """`count` reference engines on one checkpoint; stopped on exit."""
+    """`count` reference engines of `tp_size` ranks each on one checkpoint; stopped on exit."""
 
-    def __init__(self, stack: ExitStack, model_dir: Path, *, count: int, log_dir: Path) -> None:
+    def __init__(self, stack: ExitStack, model_dir: Path, *, count: int, log_dir: Path, tp_size: int = 1) -> None:
         self.launchers = []
+        spec = ReferenceEngineSpec(model_dir=str(model_dir), tp_size=tp_size)
         for _ in range(count):
-            launcher = EngineLauncher(spec=ReferenceEngineSpec(model_dir=str(model_dir)), log_dir=log_dir)
+            launcher = EngineLauncher(spec=spec, log_dir=log_dir)
             stack.callback(launcher.stop)
             launcher.start()
             self.launchers.append(launcher)
@@ -376,6 +418,34 @@ class EngineFleet:
     @property
     def pids(self) -> list[int]:
         return [launcher.pid for launcher in self.launchers]
+
+    def rank_pids(self, index: int) -> list[int]:
+        """The processes holding engine `index`'s weights: its TP rank processes, or at TP=1 the engine itself."""
+        launcher = self.launchers[index]
+        with urllib.request.urlopen(f"{launcher.url}/get_server_info", timeout=CALL_TIMEOUT_S) as response:
+            state = json.load(response)["internal_states"][0]
+        return [int(pid) for pid in state["tp_rank_pids"]] or [launcher.pid]
+
+
+def tp_case_row(m: Measured, *, transport: str, engine_tp: int, rank_pids: Sequence[int]) -> dict:
+    """One row of the TP comparison. Distributed: every rank joins the update group and receives every bucket
+    over its sockets, so bytes per rank are measured. Colocated: each rank maps a payload of the whole bucket from
+    shared memory (and copies its shard out of it), which no counter here sees, so they are derived."""
+    report = m.report
+    tcp = [m.tcp_received.get(pid, float("nan")) for pid in rank_pids]
+    is_measured = transport == "distributed" and len(m.tcp_received) == len(rank_pids)
+    return {
+        "transport": transport,
+        "engine_tp": engine_tp,
+        "send_gbps": gbps(report.num_bytes, report.phases.send_s),
+        "send_s": report.phases.send_s,
+        "total_s": report.total_s,
+        "bytes_sent": report.num_bytes,
+        "buckets": report.num_buckets,
+        "bytes_per_rank": tcp if is_measured else [report.num_bytes] * engine_tp,
+        "bytes_per_rank_basis": "measured" if is_measured else "derived",
+        "tcp_bytes_per_rank": tcp,  # colocated: the HTTP body at TP=1, nothing at TP>1 (ranks hear over pipes)
+    }
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
@@ -413,6 +483,7 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             staged: bool = False,
             engine_urls: Sequence[str] = urls,
             sample: bool = False,
+            count_pids: Sequence[int] = (),
         ) -> Measured:
             return run_syncs(
                 engine_urls,
@@ -423,6 +494,7 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
                 staged=staged,
                 sample_pids=pids if sample else (),
                 engine_start_rss=fleet.start_rss,
+                count_pids=count_pids,
             )
 
         log(f"{spec.name}: (a) miles_sync distributed")
@@ -500,6 +572,22 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
                         "phases": vars(report.phases),
                     }
                 )
+            log(f"{spec.name}: one TP=1 engine vs one TP={ENGINE_TP} engine")
+            tp_fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir, tp_size=ENGINE_TP)
+            fleets = {1: fleet, ENGINE_TP: tp_fleet}  # the first engine of each
+            rank_pids = {engine_tp: f.rank_pids(0) for engine_tp, f in fleets.items()}
+            row["tp_cases"] = []
+            for transport in ("distributed", "colocated"):
+                cases = []
+                for engine_tp, f in fleets.items():  # side by side: TP=1 then TP=2, per transport
+                    m = ours(transport, verify=False, engine_urls=f.urls(1), count_pids=rank_pids[engine_tp])
+                    cases.append(
+                        tp_case_row(m, transport=transport, engine_tp=engine_tp, rank_pids=rank_pids[engine_tp])
+                    )
+                for case in cases:
+                    case["send_s_over_tp1"] = case["send_s"] / cases[0]["send_s"]
+                    case["total_s_over_tp1"] = case["total_s"] / cases[0]["total_s"]
+                row["tp_cases"] += cases
     tensors = None  # release the model before the next one loads (closures above still name it)
     return row
 
@@ -554,6 +642,21 @@ def print_tables(result: dict) -> None:
     print(f"engine sweep ({sweep_row['model']}): engines, send GB/s per engine, aggregate, total s")
     for s in sweep_row["engine_sweep"]:
         print(f"  {s['engines']} {s['send_gbps']:>6.2f} {s['aggregate_send_gbps']:>6.2f} {s['total_s']:>6.2f}")
+    print(
+        f"\nTP comparison ({sweep_row['model']}, one engine, verify off): bytes received per engine rank, measured ="
+        " TCP bytes the rank's sockets received per sync, derived = bytes sent; time ratios against the TP=1 engine"
+    )
+    print(
+        f"  {'case':<12}{'TP':>3}{'GB/s':>7}{'send s':>8}{'total s':>8}{'sent MiB':>10}{'recv/rank MiB':>15}"
+        f"{'recv/sent':>10}  {'basis':<9}{'TP/TP1 send':>12}{'TP/TP1 total':>13}"
+    )
+    for c in sweep_row["tp_cases"]:
+        per_rank = "/".join(f"{n / MIB:.1f}" for n in c["bytes_per_rank"])
+        print(
+            f"  {c['transport']:<12}{c['engine_tp']:>3}{c['send_gbps']:>7.2f}{c['send_s']:>8.3f}{c['total_s']:>8.3f}"
+            f"{c['bytes_sent'] / MIB:>10.1f}{per_rank:>15}{min(c['bytes_per_rank']) / c['bytes_sent']:>10.3f}  "
+            f"{c['bytes_per_rank_basis']:<9}{c['send_s_over_tp1']:>12.2f}{c['total_s_over_tp1']:>13.2f}"
+        )
     print("\nkeys:")
     for key in (
         "ratio_vs_ceiling",
