@@ -77,6 +77,7 @@ def _rank_checksums(server) -> list[dict[str, str]]:
     return [rank["checksums"] for rank in answer["ranks"]]
 
 
+@pytest.mark.slow  # starts a TP=2 engine (three processes): the full run keeps it, the quick loop skips it
 @pytest.mark.timeout(120)  # engine start-up (up to 60 s) plus the bounded group and session
 def test_an_sglang_style_master_waits_for_both_engine_ranks_then_broadcasts_an_update(reference_checkpoints, tmp_path):
     target = reference_checkpoints / "target"
