@@ -69,6 +69,7 @@ def controller_args(
         "pause_mode": sync.pause_mode,
         "verify": sync.verify,
         "staged": sync.staged,
+        "mechanism_check": sync.mechanism_check,
         "timeouts": SessionTimeouts(control_s=sync.http_timeout_s, sync_s=sync.sync_timeout_s),
         "group": GroupSettings(backend=backend, master_address=master_address),
         "api_key": api_key,

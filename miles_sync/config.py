@@ -71,6 +71,10 @@ class SyncConfig:
     # Export and pack the whole next version before the pause, while the engines still generate; the pause then
     # covers only transfer and finalize. Costs one packed copy of the model in the source rank's memory.
     staged: bool = False
+    # Prove the update mechanism on the first sync of a fresh fleet (version 0 -> 1): snapshot the engines' weights,
+    # reset them to random values, sync, compare. Only when the trainer then holds exactly the weights the engines
+    # loaded at start; otherwise the compare fails and every engine stays paused.
+    mechanism_check: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -8,6 +8,14 @@ the first later sync that verifies on it. Held engines, and engines that joined 
 successful sync, are stale until a sync succeeds on them: `serving_engines` leaves them out. `status()` reads
 all of that state at once (`ControllerStatus`), which is what a Ray actor's caller asks for.
 
+`mechanism_check=True` (opt-in) proves the update mechanism once, on the controller's first sync while the fleet is
+at version 0 (no sync ever committed to it, usually version 0 -> 1): the session snapshots the engines' weights,
+resets them to random values, syncs, and compares with the snapshot (miles_sync.sync.session), so a parameter the
+sync never writes is named. It is meaningful only when the trainer's weights at that sync equal what the engines
+loaded at start (e.g. a first sync straight from the checkpoint both loaded): otherwise the compare fails and
+every engine stays paused, holding random weights, until a later sync verifies on it. Later syncs never run it; a
+first sync of a fleet already past version 0 skips it with a warning in the report.
+
 Async and bound to one event loop (its engine clients are); a Ray actor wraps it as an async actor.
 """
 
@@ -84,6 +92,7 @@ class SyncController:
         verify: bool,
         timeouts: SessionTimeouts,
         staged: bool = False,
+        mechanism_check: bool = False,
         group: GroupSettings = GroupSettings(),
         api_key: str | None = None,
         admin_api_key: str | None = None,
@@ -114,6 +123,8 @@ class SyncController:
         self._pause_mode = PauseMode(pause_mode)
         self._verify = verify
         self._staged = staged
+        # Cleared by the first session: the check needs weights no sync has touched yet.
+        self._is_mechanism_check_pending = mechanism_check
         self._timeouts = timeouts
         self._group = group
         self._api_key = api_key
@@ -280,6 +291,7 @@ class SyncController:
                     self._progress = replace(self._progress, buckets=(*self._progress.buckets, event))
                     bar.update(event)
 
+                mechanism_check, skipped = self._take_mechanism_check(version)
                 try:
                     report = await run_sync_session(
                         engines=[self._clients[u] for u in self._urls],
@@ -295,9 +307,12 @@ class SyncController:
                         on_bucket=on_bucket,
                         baselines=self._baselines,
                         held=tuple(self._held),
+                        mechanism_check=mechanism_check,
                     )
                 finally:
                     bar.close()
+                if skipped:
+                    report = replace(report, warnings=(*report.warnings, skipped))
                 if report.committed:
                     try:
                         held.check()
@@ -309,6 +324,20 @@ class SyncController:
         if not report.committed and raise_on_failure:
             raise SyncError(report)
         return report
+
+    def _take_mechanism_check(self, version: str) -> tuple[bool, str]:
+        """(run the mechanism check in this session, the warning when it is skipped). Only the first session of
+        this controller may run it, and only while the fleet is at version 0: its weights are then still the ones
+        the engines loaded at start, which the source is assumed to send back."""
+        if not self._is_mechanism_check_pending:
+            return False, ""
+        self._is_mechanism_check_pending = False
+        if self._version == 0:
+            return True, ""
+        return False, (
+            f"mechanism check skipped: the fleet is at version {self._version}, not 0 (its weights are no longer "
+            f"the ones it loaded at start), so sync v{version} ran without it"
+        )
 
     async def _open_group(self, version: str) -> SyncReport | None:
         """(Re-)create the transport when none is open; a failure report when that fails, else None."""

@@ -1,9 +1,10 @@
 """One sync session across every engine: the data flow of one sync as one function, `run_sync_session`.
 
     selector (cross-checked against every engine's draft report, before anything is sent)
-    pause (barrier) -> flush (unless in_place) -> begin(selector)
+    pause (barrier) -> flush (unless in_place) -> [mechanism check: snapshot -> reset] -> begin(selector)
     source: export -> pack -> send, bucket by bucket
-    end -> update_weight_version -> verify (miles_sync.sync.verify: exact, engine-exact, or replica agreement)
+    end -> update_weight_version -> [mechanism check: compare] -> verify (miles_sync.sync.verify: exact,
+        engine-exact, or replica agreement)
     continue_generation for every engine that may serve, also on failure; in_place: flush after the resume
 
 The session never raises for a failed sync: it returns a SyncReport with `committed` false, the error, and each
@@ -16,8 +17,24 @@ reported stale and left PAUSED: it gets no continue_generation, so it serves not
 written to quarantine it (the weights checker's reset action fills SGLang's with random values and keeps
 serving). Engines the caller already holds paused (`held`) stay paused until a session verifies on them. Requests
 queued on a held engine wait there (abort mode dropped them at the pause) and run once a verified sync resumes it.
-A failure before the send leaves every engine serving its old weights. Committing the version is the caller's
-decision, made from the report.
+A failure before the send (and before any mechanism-check reset) leaves every engine serving its old weights.
+Committing the version is the caller's decision, made from the report.
+
+Mechanism check (opt-in, `mechanism_check`; the controller asks for it on its first sync of a fleet at version 0
+only): the weights checker snapshots the selected runners' weights, resets them to random values, and after the
+sync compares them with the snapshot, bitwise, before the checksum verification. A parameter the sync never
+writes keeps its random values and the compare names it. It proves the mechanism only when the source sends
+exactly the weights the engines hold (the checkpoint they loaded at start): the caller promises that. A passed
+check reports verification "mechanism+<method>" (per engine and fleet-wide; "mechanism" alone without `verify`).
+Its snapshot and reset count in the report's pause phase, its compare in the verify phase.
+
+Failing closed after a reset: once the reset step was sent, a session that does not complete (send, end,
+version, compare or verify failed, or the session timed out) leaves EVERY engine it was sent to PAUSED, whatever
+that engine answered: a reset that failed or timed out may still have run, and one that ran left random weights
+that SGLang would serve. Their baselines are gone, so the intact check is skipped for them and could not resume
+them anyway; even an engine that passed every step stays paused with the rest. Only a later sync that verifies
+on an engine resumes it. A failed snapshot fails the session before any reset: the engines resume their old
+weights.
 """
 
 from __future__ import annotations
@@ -102,12 +119,16 @@ async def run_sync_session(
     baselines: Mapping[str, EngineBaseline] | None = None,
     held: Collection[str] = (),
     staged: bool = False,
+    mechanism_check: bool = False,
 ) -> SyncReport:
     """Run one session: see the module docstring. `baselines`: per engine URL, what the last verified sync left
     (absent: the engine is treated as partial after any failed send). `held`: URLs of engines kept paused since an
-    earlier failure; they are resumed only by a session that completes on them. Mutates the engines' weights and
-    version; never raises for a failed sync (it is in the report), only for programming errors."""
-    fleet = _FleetSteps(engines, timeout_s=timeouts.control_s, last_step="verify" if verify else "version", held=held)
+    earlier failure; they are resumed only by a session that completes on them. `mechanism_check`: snapshot, reset,
+    sync, compare (module docstring); only when the source sends exactly the weights every engine holds, else the
+    compare fails and every engine stays paused. Mutates the engines' weights and version; never raises for a
+    failed sync (it is in the report), only for programming errors."""
+    last_step = "verify" if verify else _COMPARE_STEP if mechanism_check else "version"
+    fleet = _FleetSteps(engines, timeout_s=timeouts.control_s, last_step=last_step, held=held)
     clock = _PhaseClock()
     run = _Run()
     start = time.perf_counter()
@@ -121,6 +142,7 @@ async def run_sync_session(
                 pause_mode=pause_mode,
                 verify=verify,
                 staged=staged,
+                mechanism_check=mechanism_check,
                 clock=clock,
                 run=run,
                 on_bucket=on_bucket,
@@ -143,7 +165,7 @@ async def run_sync_session(
         version=version,
         previous_version=previous_version,
         transport_name=transport_name,
-        verify=verify,
+        is_checked=verify or mechanism_check,
         total_s=time.perf_counter() - start,
     )
 
@@ -157,6 +179,7 @@ async def _sync(
     pause_mode: PauseMode,
     verify: bool,
     staged: bool,
+    mechanism_check: bool,
     clock: _PhaseClock,
     run: _Run,
     on_bucket: Callable[[BucketProgress], None] | None,
@@ -172,6 +195,8 @@ async def _sync(
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
         if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running: flushed after the resume
             await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
+        if mechanism_check:
+            await _snapshot_and_reset(fleet, selector=selector)
         await fleet.step("begin", lambda e: e.begin_weight_update(selector, timeout_s=t))
     with clock.phase("send"):
         fleet.attempted.add("send")  # from here on, an engine that does not complete may hold partial weights
@@ -180,9 +205,11 @@ async def _sync(
         await fleet.step("end", lambda e: e.end_weight_update(timeout_s=t))
         await fleet.step("version", lambda e: e.update_weight_version(version, timeout_s=t))
     with clock.phase("verify"):
+        if mechanism_check:
+            await _compare_to_snapshot(fleet, selector=selector)
         if verify:
             await _verify_fleet(fleet, sent=run.sent, selector=selector, layouts=layouts)
-    run.is_complete = True
+    fleet.is_complete = True
 
 
 async def choose_selector(engines: Sequence[EngineAPI], *, source: WeightSource, inputs: SelectorInputs) -> Selector:
@@ -227,6 +254,23 @@ async def _send(
     if plan and accepts_engine_digests(source):
         return await source.send(selector=selector, on_bucket=on_bucket, engine_digests=plan)
     return await source.send(selector=selector, on_bucket=on_bucket)
+
+
+async def _snapshot_and_reset(fleet: _FleetSteps, *, selector: Selector) -> None:
+    """The mechanism check's set-up on every engine: snapshot the selected runners' weights, then reset them to
+    random values. The reset step is recorded as attempted before any engine is called: from then on the engines
+    stay paused unless the session completes (module docstring)."""
+    snapshot = WeightsCheckerRequest(action=WeightsCheckerAction.SNAPSHOT, selector=selector)
+    await fleet.step("mechanism-snapshot", lambda e: e.weights_checker(snapshot, timeout_s=fleet.timeout_s))
+    reset = WeightsCheckerRequest(action=WeightsCheckerAction.RESET_TENSORS, selector=selector)
+    await fleet.step(_RESET_STEP, lambda e: e.weights_checker(reset, timeout_s=fleet.timeout_s))
+
+
+async def _compare_to_snapshot(fleet: _FleetSteps, *, selector: Selector) -> None:
+    """The mechanism check's verdict: every selected weight equals its snapshot again, bitwise. The engine's
+    answer names each parameter that differs (one the sync never wrote keeps its random values)."""
+    compare = WeightsCheckerRequest(action=WeightsCheckerAction.COMPARE, selector=selector)
+    await fleet.step(_COMPARE_STEP, lambda e: e.weights_checker(compare, timeout_s=fleet.timeout_s))
 
 
 async def _verify_fleet(fleet: _FleetSteps, *, sent: SendResult, selector: Selector, layouts: FleetLayouts) -> None:
@@ -281,7 +325,8 @@ async def _abandon(
         # The engine closes its session even when end reports a failure (e.g. a runner that loaded nothing).
         with contextlib.suppress(SessionError):
             await fleet.step("end-after-failure", lambda e: e.end_weight_update(timeout_s=fleet.timeout_s))
-    partial = [e for e in fleet.engines if fleet.may_hold_partial_weights(e.url)]
+    # A reset engine's baseline is gone: it stays paused whatever it answers now.
+    partial = [e for e in fleet.engines if fleet.may_hold_partial_weights(e.url) and not fleet.is_reset(e.url)]
     if partial and selector is not None:
         await _mark_intact(fleet, partial, baselines=baselines, selector=selector)
 
@@ -330,6 +375,7 @@ class _FleetSteps:
         self.held = frozenset(held)
         self.state = {e.url: _EngineState() for e in self.engines}
         self.attempted: set[str] = set()
+        self.is_complete = False  # every step of the session succeeded on every engine
 
     async def step(
         self,
@@ -388,11 +434,16 @@ class _FleetSteps:
         state = self.state[url]
         return "send" in self.attempted and self.last_step not in state.done and not state.is_intact
 
+    def is_reset(self, url: str) -> bool:
+        # The mechanism check's reset was sent to it (it may have run even where the call failed or timed out) and
+        # the session did not complete: it may hold random weights.
+        return _RESET_STEP in self.attempted and not self.is_complete
+
     def is_stale(self, url: str) -> bool:
-        """Must stay paused: it may hold partial weights from this session, or was held from an earlier one and
-        this session did not complete on it."""
+        """Must stay paused: it may hold partial weights from this session, or random ones from its mechanism
+        check, or was held from an earlier one and this session did not complete on it."""
         completed = self.last_step in self.state[url].done
-        return self.may_hold_partial_weights(url) or (url in self.held and not completed)
+        return self.may_hold_partial_weights(url) or self.is_reset(url) or (url in self.held and not completed)
 
 
 @dataclass(kw_only=True)
@@ -400,7 +451,6 @@ class _Run:
     selector: Selector | None = None
     sent: SendResult | None = None
     error: str | None = None
-    is_complete: bool = False
     warnings: list[str] = field(default_factory=list)
 
 
@@ -425,7 +475,7 @@ def _report(
     version: str,
     previous_version: str,
     transport_name: str,
-    verify: bool,
+    is_checked: bool,
     total_s: float,
 ) -> SyncReport:
     sent, s = run.sent, clock.seconds
@@ -436,17 +486,19 @@ def _report(
             is_stale=fleet.is_stale(url),
             num_verified_tensors=state.num_verified,
             weight_version=version if "version" in state.done else None,
-            message=state.message or (_HELD_MESSAGE if fleet.is_stale(url) else ""),
-            verification=state.verification,
+            message=_engine_message(fleet, url),
+            verification=_verification(is_mechanism_checked=_COMPARE_STEP in state.done, method=state.verification),
             weights_digest=state.digest,
         )
         for url, state in fleet.state.items()
     )
-    methods = sorted({e.verification for e in engines if e.verification})
+    methods = sorted({state.verification for state in fleet.state.values() if state.verification})
+    is_mechanism_checked = any(_COMPARE_STEP in state.done for state in fleet.state.values())
+    verification = _verification(is_mechanism_checked=is_mechanism_checked, method="+".join(methods))
     return SyncReport(
         version=version,
         previous_version=previous_version,
-        committed=run.is_complete,
+        committed=fleet.is_complete,
         selector=run.selector,
         transport=transport_name,
         num_bytes=0 if sent is None else sent.num_bytes,
@@ -465,9 +517,23 @@ def _report(
         engines=engines,
         error=run.error,
         checksums={} if sent is None else dict(sent.checksums),
-        verification="+".join(methods) if verify else "off",
+        verification=verification if is_checked else "off",
         warnings=tuple(run.warnings),
     )
 
 
+def _verification(*, is_mechanism_checked: bool, method: str) -> str:
+    return "+".join(part for part in ("mechanism" if is_mechanism_checked else "", method) if part)
+
+
+def _engine_message(fleet: _FleetSteps, url: str) -> str:
+    message = fleet.state[url].message
+    if fleet.is_reset(url):  # whatever failed first, the reset is why it stays paused
+        return "; ".join(m for m in (message, _RESET_MESSAGE) if m)
+    return message or (_HELD_MESSAGE if fleet.is_stale(url) else "")
+
+
+_RESET_STEP = "mechanism-reset"
+_COMPARE_STEP = "mechanism-compare"
 _HELD_MESSAGE = "held paused since an earlier failed sync: may hold partial weights"
+_RESET_MESSAGE = "held paused: the mechanism check reset its weights to random values and the sync did not complete"

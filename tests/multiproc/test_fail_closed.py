@@ -4,7 +4,8 @@
   engine is released long before its collective timeout (and is then told the session failed).
 - Engines that answer SGLang's engine-parameter digests (`--checksum-names engine`) are verified by replica
   agreement: a correct sync commits and says so; an engine whose bytes differ from its replicas' is named.
-- No module of the package outside the wire records and the reference engine names the reset_tensors action.
+- No module of the package outside the wire records, the reference engine and the session (the opt-in mechanism
+  check) names the reset_tensors action.
 """
 
 from __future__ import annotations
@@ -185,10 +186,13 @@ def test_engine_named_digests_are_verified_by_replica_agreement(reference_checkp
 
 
 def test_no_failure_path_can_name_reset_tensors():
-    """reset_tensors is a test hook that randomizes SGLang's weights: only the wire records and the reference
-    engine (which implements it) may name it."""
+    """reset_tensors is a test hook that randomizes SGLang's weights: only the wire records, the reference engine
+    (which implements it) and the session may name it. The session sends it only for the opt-in mechanism check
+    (snapshot, reset, sync, compare on a first sync), never on a failure path: once it is sent, every engine stays
+    paused unless the sync verifies (tests/multiproc/test_mechanism_check.py)."""
     package = Path(__file__).resolve().parents[2] / "miles_sync"
-    allowed = {package / "wire" / "protocol.py"} | set((package / "engine" / "reference").glob("*.py"))
+    allowed = {package / "wire" / "protocol.py", package / "sync" / "session.py"}
+    allowed |= set((package / "engine" / "reference").glob("*.py"))
     offenders = [
         str(path.relative_to(package))
         for path in package.rglob("*.py")

@@ -296,6 +296,7 @@ CONFIG_FIELDS = {
         "sync_timeout_s": None,
         "check_selector": None,
         "staged": None,
+        "mechanism_check": None,
     },
     "cluster": {"address": None, "num_cpus": None},
     "rollout": {"num_prompts": None, "prompt_length": None, "max_new_tokens": None, "temperature": None},
