@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -412,3 +414,16 @@ def test_a_rank_killed_mid_sync_fails_the_fleet_closed_and_a_restarted_engine_re
         assert server.url in serving or server.url in held, (server.url, serving, held)
     assert recovered.committed and all(e.success for e in recovered.engines), recovered.engines
     assert outputs[0] == 200 and outputs[1]["meta_info"]["weight_version"] == recovered.version
+
+
+# ---- start-up refusals ------------------------------------------------------------------------------------------
+
+
+def test_a_tp_size_a_dimension_does_not_divide_is_refused_at_start_naming_it(reference_checkpoints):
+    """As SGLang refuses it: the target's 4 attention heads and 2 KV heads do not split over 3 ranks. The server
+    exits with status 2 before any rank process starts, naming each dimension."""
+    argv = [sys.executable, "-m", "miles_sync.engine.reference.serve", "--model", str(reference_checkpoints / "target")]
+    done = subprocess.run([*argv, "--tp-size", "3", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "listening on" not in done.stdout, (done.returncode, done.stderr[-2000:])
+    assert "num_attention_heads=4 is not divisible by tp_size=3" in done.stderr, done.stderr[-2000:]
+    assert "num_key_value_heads=2" in done.stderr
