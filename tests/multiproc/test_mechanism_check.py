@@ -39,7 +39,8 @@ from miles_sync.wire.protocol import (
     WeightsCheckerRequest,
 )
 
-pytestmark = pytest.mark.multiproc
+# Slow: four fleets of real engines (about 70 s here); the full run keeps them, the quick loop skips them.
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 BUCKET_BYTES = 256 * 1024
 COLLECTIVE_TIMEOUT_S = 15.0
