@@ -27,6 +27,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 from miles_sync.engine.kinds import EngineKind
 from miles_sync.engine.settings import EngineSettings, FinalizePolicy
 from miles_sync.export.registry import ConversionMode
+from miles_sync.megatron.parallel_layout import parallel_layout_problems
 from miles_sync.sync.selector import SelectorMode, selector_input_problems
 from miles_sync.transport.base import TransportKind
 from miles_sync.weights.layout import WeightLayout
@@ -138,10 +139,14 @@ class EngineConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
+    """Megatron layout of the trainer: tp x pp x dp ranks; the expert layers regroup each stage's tp x dp ranks
+    as etp x ep x (expert data parallel). The rules are megatron-core's (`parallel_layout_problems`)."""
+
     tp: int = 2
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    etp: int = 1  # expert tensor parallel; etp * ep must divide tp * dp
     lr: float = 1e-4
 
     @property
@@ -150,11 +155,7 @@ class TrainerConfig:
         return self.tp * self.pp * self.dp
 
     def __post_init__(self) -> None:
-        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
-        problems = [f"{name}={size} must be at least 1" for name, size in sizes.items() if size < 1]
-        # Expert-parallel groups are carved from the tp x dp ranks of one pipeline stage.
-        if not problems and (self.tp * self.dp) % self.ep != 0:
-            problems.append(f"ep={self.ep} must divide tp*dp={self.tp}*{self.dp}={self.tp * self.dp}")
+        problems = parallel_layout_problems(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, dp=self.dp)
         if not (self.lr > 0 and math.isfinite(self.lr)):
             problems.append(f"lr={self.lr} must be positive")
         raise_if(problems)

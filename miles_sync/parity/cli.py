@@ -2,9 +2,10 @@
 
     python -m miles_sync.parity --arch qwen3 --mode raw --tp 2 --pp 1 --ep 1
 
-builds the tiny model across tp * pp * ep local processes, exports it, loads the export into the matching
-transformers model (strict: no missing or extra tensors), compares logits with megatron's, imports the export
-back into a fresh megatron model and exports again (bit-exact). The last line printed is
+builds the tiny model across the fewest local processes that hold the layout (pp * lcm(tp, etp * ep), which is
+tp * pp * ep with the default etp = tp), exports it, loads the export into the matching transformers model
+(strict: no missing or extra tensors), compares logits with megatron's, imports the export back into a fresh
+megatron model and exports again (bit-exact). The last line printed is
 `max_abs_logit_diff=<float> tensors=<count> OK`, or the same with `FAIL <first mismatching tensor>: <why>`
 (exit status 1).
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from miles_sync.megatron.parallel_layout import smallest_world_size
 from miles_sync.parity.harness import ParityCase, merge_exports, run_cases, tiny_hf_config
 
 LOGIT_TOLERANCE = 1e-5  # fp32; observed differences are ~1e-6 (TP changes reduction order) or exactly 0
@@ -183,6 +185,7 @@ def _parse(argv: list[str] | None) -> tuple[ParityCase, float]:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-heads", type=int, default=4)
@@ -199,6 +202,7 @@ def _parse(argv: list[str] | None) -> tuple[ParityCase, float]:
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,
+        etp=args.etp,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_heads=args.num_heads,
@@ -218,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         case, timeout_s = _parse(argv)
         check_arch(case.arch)
-        world_size = case.tp * case.pp * case.ep  # experts split the data-parallel ranks: dp = ep
+        world_size = smallest_world_size(tp=case.tp, pp=case.pp, ep=case.ep, etp=case.etp)
         case.validate(world_size=world_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    etp = case.tp if case.etp is None else case.etp
     print(
-        f"parity: arch={case.arch} mode={case.mode} tp={case.tp} pp={case.pp} ep={case.ep} "
+        f"parity: arch={case.arch} mode={case.mode} tp={case.tp} pp={case.pp} ep={case.ep} etp={etp} "
         f"world_size={world_size} mtp_layers={case.mtp_layers}",
         flush=True,
     )

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_sync.megatron.parallel_layout import parallel_layout_problems
 from miles_sync.transport.group import start_store_server
 
 _HOST = "127.0.0.1"
@@ -42,6 +43,7 @@ class ParityCase:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None: tp (megatron-core's default)
     num_layers: int = 2
     hidden_size: int = 64
     num_heads: int = 4
@@ -65,10 +67,11 @@ class ParityCase:
         from miles_sync.export.raw import check_arch
 
         check_arch(self.arch)
+        is_moe = self.arch == "qwen3_moe"
         problems = []
         if self.mode not in _MODES:
             problems.append(f"mode={self.mode!r} (one of {', '.join(_MODES)})")
-        for name in ("tp", "pp", "ep", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "num_experts"):
+        for name in ("hidden_size", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} (must be >= 1)")
         if self.mtp_layers < 0:
@@ -77,24 +80,25 @@ class ParityCase:
             problems.append(f"dtype={self.dtype!r} (float32 or bfloat16)")
         if problems:
             raise ValueError("invalid parity case: " + "; ".join(problems))
-        model_parallel = self.tp * self.pp
-        if world_size % model_parallel != 0:
-            problems.append(f"tp={self.tp} * pp={self.pp} does not divide world_size={world_size}")
-        elif (world_size // model_parallel) % self.ep != 0:
-            problems.append(f"ep={self.ep} does not divide the data-parallel size {world_size // model_parallel}")
-        if self.num_heads % self.num_kv_heads or self.num_kv_heads % self.tp:
+        # The trainer config checks the same rules with the same words (miles_sync.megatron.parallel_layout).
+        problems = parallel_layout_problems(
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            etp=self.etp,
+            world_size=world_size,
+            num_layers=self.num_layers,
+            num_experts=self.num_experts if is_moe else None,
+        )
+        if self.num_heads % self.num_kv_heads or (self.tp >= 1 and self.num_kv_heads % self.tp):
             problems.append(
                 f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, tp={self.tp} "
                 "(kv heads must divide heads and be divisible by tp)"
             )
         if self.hidden_size % self.num_heads:
             problems.append(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
-        if self.num_layers % self.pp:
-            problems.append(f"num_layers={self.num_layers} is not a multiple of pp={self.pp}")
-        if self.ep > 1 and self.arch != "qwen3_moe":
+        if self.ep > 1 and not is_moe:
             problems.append(f"ep={self.ep} needs an MoE arch, got arch={self.arch!r}")
-        if self.arch == "qwen3_moe" and self.num_experts % self.ep:
-            problems.append(f"num_experts={self.num_experts} is not a multiple of ep={self.ep}")
         if problems:
             raise ValueError("invalid parity case: " + "; ".join(problems))
 
@@ -230,7 +234,9 @@ def _run_case(case: ParityCase, case_dir: Path, *, timeout_s: float) -> None:
     from miles_sync.megatron.forward import megatron_logits
 
     rank = dist.get_rank()
-    ps.initialize_model_parallel(case.tp, case.pp, expert_model_parallel_size=case.ep)
+    ps.initialize_model_parallel(
+        case.tp, case.pp, expert_model_parallel_size=case.ep, expert_tensor_parallel_size=case.etp
+    )
     try:
         hf_config = tiny_hf_config(case)
         converter = create_converter(case.arch, hf_config)

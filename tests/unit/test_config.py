@@ -135,7 +135,7 @@ def test_every_invalid_value_is_named_at_once():
     for part in (
         "sync: bucket_bytes=0 must be positive",
         "sync_timeout_s=-1.0 must be a positive number",
-        "trainer: ep=3 must divide tp*dp=2*1=2",
+        "trainer: etp*ep=1*3=3 does not divide tp*dp=2*1=2",
     ):
         assert part in message
     # The root's own checks run once its parts are valid.
@@ -157,7 +157,9 @@ def test_every_invalid_value_is_named_at_once():
         ),
         (lambda: EngineConfig(count=2, urls=("http://127.0.0.1:1", "http://127.0.0.1:1")), ["repeat a server"]),
         (lambda: TrainerConfig(tp=0, pp=-1, lr=0.0), ["tp=0", "pp=-1", "lr=0.0"]),
-        (lambda: TrainerConfig(tp=2, dp=2, ep=3), ["ep=3 must divide tp*dp=2*2=4"]),
+        (lambda: TrainerConfig(tp=2, dp=2, ep=3), ["etp*ep=1*3=3 does not divide tp*dp=2*2=4"]),
+        (lambda: TrainerConfig(tp=2, dp=2, ep=2, etp=2, pp=0), ["pp=0 must be at least 1"]),
+        (lambda: TrainerConfig(tp=1, dp=2, ep=2, etp=2), ["etp*ep=2*2=4 does not divide tp*dp=1*2=2"]),
         (
             lambda: ModelConfig(arch=" ", speculative_algorithm="", num_trained_mtp_layers=-2),
             ["arch must not be empty", "speculative_algorithm", "num_trained_mtp_layers=-2"],
@@ -180,6 +182,23 @@ def test_records_validate_at_construction(make, parts):
 def test_valid_parallel_layouts():
     assert TrainerConfig(tp=2, pp=2, dp=2, ep=4).world_size == 8
     assert TrainerConfig(tp=2, dp=1, ep=2).world_size == 2  # expert parallel across the tensor-parallel ranks
+    assert TrainerConfig(tp=2, pp=1, ep=1).world_size == 2
+    assert TrainerConfig(tp=1, pp=2).world_size == 2
+    assert TrainerConfig(tp=2, dp=2, ep=2, etp=1).world_size == 4
+    assert TrainerConfig(tp=2, dp=2, ep=2, etp=2).world_size == 4  # the expert grid fills the stage
+
+
+def test_invalid_trainer_layout_is_refused_at_load_naming_each_factor():
+    with pytest.raises(ValueError) as info:
+        load_config(overrides=["trainer.tp=2", "trainer.dp=1", "trainer.ep=2", "trainer.etp=2"])
+    message = str(info.value)
+    assert message.startswith("invalid config: trainer: ")
+    assert "etp*ep=2*2=4 does not divide tp*dp=2*1=2" in message
+    assert "world_size=2 divisible by etp*ep*pp=4" in message
+    with pytest.raises(ValueError, match="trainer: etp=0 must be at least 1"):
+        load_config(overrides=["trainer.etp=0"])
+    config = load_config(overrides=["trainer.dp=2", "trainer.ep=4", "trainer.etp=1"])
+    assert (config.trainer.ep, config.trainer.etp, config.trainer.world_size) == (4, 1, 4)
 
 
 def test_speculative_config_with_matching_draft_is_accepted():

@@ -271,7 +271,7 @@ ENUMS = {
 
 CONFIG_FIELDS = {
     "model": {"arch": None, "checkpoint_dir": None, "speculative_algorithm": None, "num_trained_mtp_layers": None},
-    "trainer": {"tp": None, "pp": None, "dp": None, "ep": None, "lr": None},
+    "trainer": {"tp": None, "pp": None, "dp": None, "ep": None, "etp": None, "lr": None},
     "engines": {
         "count": None,
         "tp": None,
