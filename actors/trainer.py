@@ -14,6 +14,7 @@ import ray
 
 from actors.placement import PlacedGroups
 from miles_sync.config import TrainerConfig
+from miles_sync.export.registry import ConversionMode
 from miles_sync.job.placement import Resources
 from miles_sync.job.trainer import TrainBatch, TrainerWorker, TrainStepResult
 from miles_sync.sync.source import RankInfo
@@ -61,6 +62,7 @@ def create_trainers(
     timeout_s: float = 300.0,
     feeds: FeedPlan | None = None,
     max_concurrency: int = 1,
+    conversion: ConversionMode | str = ConversionMode.RAW,
 ) -> TrainerGroup:
     """Start `trainer.world_size` trainer actors and set them up; raises (after killing them) if any rank fails.
 
@@ -70,6 +72,7 @@ def create_trainers(
     follows with the colocated transport (`placement.plan_colocated_feeds(placement.plan)`); None feeds every
     engine rank from the export source. `max_concurrency`: calls a rank's actor runs at once; 1 suffices (bucket
     progress is pushed to the controller, nothing polls a rank), more lets a caller query a rank mid-send.
+    `conversion`: how every rank exports its weights (`sync.conversion`: raw converters or megatron-bridge).
     """
     if env_vars is None:
         env_vars = {"GLOO_SOCKET_IFNAME": "lo"} if master_address in ("127.0.0.1", "localhost") else {}
@@ -91,6 +94,7 @@ def create_trainers(
                 timeout_s=timeout_s,
                 backend=backend,
                 feeds=feeds,
+                conversion=conversion,
             )
         )
     try:

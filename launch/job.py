@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import platform
 import sys
@@ -137,6 +138,7 @@ def start_job_actors(
         engine_log_dir = Path(config.output_dir) / config.run_name / "engine-logs"
     with contextlib.ExitStack() as stack:
         checkpoint = _checkpoint_dir(config, log=log)
+        _check_conversion(config, checkpoint)  # what the trainer could not export fails before anything is placed
         placed = _placement(config)
         if placed is not None:
             stack.callback(placed.remove)
@@ -160,6 +162,7 @@ def start_job_actors(
                 placement=placed,
                 timeout_s=_START_TIMEOUT_S,
                 feeds=feeds,
+                conversion=config.sync.conversion,
             )
             stack.callback(trainers.shutdown)
             engines = engine_start.result()
@@ -281,6 +284,19 @@ def _checkpoint_dir(config: MilesSyncConfig, *, log: Callable[[str], None]) -> s
     cache = read_environment().cache_dir
     log(f"reference checkpoints: {cache} (built once, a few minutes, on the first run)")
     return str(cached_checkpoints(cache) / "target")
+
+
+def _check_conversion(config: MilesSyncConfig, checkpoint: str) -> None:
+    """Raise ValueError when `sync.conversion` cannot export the checkpoint's model (its config.json may name
+    another family than `model.arch`, or MoE experts). A directory without config.json is left to the engines."""
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return
+    problems = config.sync.checkpoint_problems(
+        json.loads(path.read_text()), num_trained_mtp_layers=config.model.num_trained_mtp_layers
+    )
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint}: " + "; ".join(problems))
 
 
 def _placement(config: MilesSyncConfig) -> PlacedGroups | None:

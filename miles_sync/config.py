@@ -87,6 +87,57 @@ class SyncConfig:
                 problems.append(f"{name}={value} must be a positive number of seconds")
         raise_if(problems)
 
+    def conversion_problems(self, *, arch: str, num_trained_mtp_layers: int, num_experts: int = 0) -> list[str]:
+        """What `conversion` cannot export of a model (empty: nothing). Pure; the one check that config
+        validation (`model.*`), the job driver (the checkpoint's config.json) and the trainer rank share.
+
+        `arch`: the HF model_type; `num_trained_mtp_layers`: MTP layers the trainer builds and exports;
+        `num_experts`: routed experts per MoE layer (0: dense). Raw mode exports every family miles_sync builds.
+        """
+        if self.conversion is not ConversionMode.BRIDGE:
+            return []
+        # Bridge mode is trusted for what its parity tests prove bit-exact (tests/multiproc/test_export_bridge.py):
+        # dense llama, qwen2 and qwen3. MTP layers have no bridge mapping in miles_sync (export/bridge.py builds
+        # none) and no MoE family has bridge parity on this megatron-bridge: refuse both before any actor starts.
+        version = _megatron_bridge_version()
+        refused = []
+        if num_experts > 0 or arch.endswith("_moe"):
+            experts = f" ({num_experts} experts per layer)" if num_experts > 0 else ""
+            refused.append(f"the MoE experts of {arch}{experts}")
+        elif arch not in _BRIDGE_ARCHS:
+            refused.append(f"the {arch} family (bridge mode covers {', '.join(_BRIDGE_ARCHS)})")
+        if num_trained_mtp_layers > 0:
+            refused.append(f"the MTP layer of {arch} (model.num_trained_mtp_layers={num_trained_mtp_layers})")
+        return [
+            f"sync.conversion=bridge cannot export {what} on megatron-bridge {version}; use sync.conversion=raw"
+            for what in refused
+        ]
+
+    def checkpoint_problems(self, hf_config: Mapping[str, Any], *, num_trained_mtp_layers: int) -> list[str]:
+        """`conversion_problems` for the model a checkpoint's config.json describes (its dict: `json.load`, or a
+        transformers config's `to_dict()`): family from `model_type`, experts from the usual HF keys. Pure."""
+        experts = [hf_config.get(key) for key in _EXPERT_COUNT_KEYS]
+        return self.conversion_problems(
+            arch=str(hf_config.get("model_type", "unknown")),
+            num_trained_mtp_layers=num_trained_mtp_layers,
+            num_experts=max([n for n in experts if isinstance(n, int)], default=0),
+        )
+
+
+# Families bridge mode exports bit-exact (dense only); see SyncConfig.conversion_problems.
+_BRIDGE_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# Routed experts per MoE layer, as HF configs name them (Qwen-MoE, Mixtral, DeepSeek).
+_EXPERT_COUNT_KEYS: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _megatron_bridge_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-bridge")
+    except metadata.PackageNotFoundError:
+        return "(not installed; launch/install_bridge.sh)"
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -239,6 +290,9 @@ class MilesSyncConfig:
                 f"model.speculative_algorithm={self.model.speculative_algorithm!r} and "
                 f"engines.draft_kind={self.engines.draft_kind.value!r} disagree: set both or neither"
             )
+        problems += self.sync.conversion_problems(
+            arch=self.model.arch, num_trained_mtp_layers=self.model.num_trained_mtp_layers
+        )
         raise_if(problems)
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from miles_sync.config import TrainerConfig
+from miles_sync.config import SyncConfig, TrainerConfig
+from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.selector import selector_input_problems
 from miles_sync.sync.source import ModelSource, RankInfo
 from miles_sync.transport.base import FeedPlan
@@ -66,6 +67,8 @@ class TrainerWorker:
     Lifecycle: construct on every rank (cheap), `host_store()` on rank 0, `setup(master_port=...)` on every rank at
     the same time, then `train_step` on every rank with the same batch, and syncs through `source`. `feeds`: the
     colocated feed plan of the placement (see ModelSource), None to feed every engine rank from the source.
+    `conversion`: how every rank exports (raw converters or megatron-bridge; `sync.conversion`); setup refuses a
+    model the mode cannot export (MTP layers or MoE in bridge mode) before building it.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class TrainerWorker:
         attachment: str = "default",
         backend: str | None = None,
         feeds: FeedPlan | None = None,
+        conversion: ConversionMode | str = ConversionMode.RAW,
     ) -> None:
         problems = []
         if not 0 <= rank < trainer.world_size:
@@ -94,8 +98,13 @@ class TrainerWorker:
             problems.append(f"timeout_s={timeout_s} must be positive")
         if backend not in (None, "gloo", "nccl"):
             problems.append(f"backend={backend!r} must be 'gloo', 'nccl' or None (nccl where CUDA is available)")
+        try:
+            conversion = ConversionMode(conversion)
+        except ValueError:
+            problems.append(f"conversion={conversion!r} must be one of {[m.value for m in ConversionMode]}")
         if problems:
             raise ValueError("invalid TrainerWorker: " + "; ".join(problems))
+        self._conversion = conversion
         self._rank = rank
         self._config = trainer
         self._checkpoint_dir = checkpoint_dir
@@ -173,6 +182,11 @@ class TrainerWorker:
         )
         ps.initialize_model_parallel(self._config.tp, self._config.pp)
         hf_config = transformers.AutoConfig.from_pretrained(self._checkpoint_dir)
+        problems = SyncConfig(conversion=self._conversion).checkpoint_problems(
+            hf_config.to_dict(), num_trained_mtp_layers=self._num_mtp_layers
+        )
+        if problems:
+            raise ValueError(f"trainer rank {self._rank}, checkpoint {self._checkpoint_dir}: " + "; ".join(problems))
         torch.manual_seed(self._seed)
         if is_cuda:
             from megatron.core import tensor_parallel
@@ -188,6 +202,7 @@ class TrainerWorker:
         self._source = attach_model(
             self._model,
             hf_config=hf_config,
+            conversion=self._conversion,
             name=self._attachment,
             collective_timeout_s=self._timeout_s,
             feeds=self._feeds,

@@ -135,5 +135,6 @@ def _check_draft_coverage(
         problem = "the engine reports no parameter names for it, so no export can feed it"
     raise ValueError(
         f"selector {selector.value!r} includes the {draft.kind.value} draft, but {problem}; a draft that receives "
-        f"nothing must not be in the session (use selector 'target', or train and export the draft's layers)"
+        f"nothing must not be in the session (override the selector with sync.selector=target to leave the draft "
+        f"out, or train and export the draft's layers)"
     )

@@ -314,3 +314,48 @@ def test_the_run_report_records_the_engine_tp():
     from miles_sync.job.run_report import config_record
 
     assert config_record(load_config(overrides=["engines.tp=2"]))["engines"]["tp"] == 2
+
+
+def test_raw_conversion_exports_every_family():
+    sync = SyncConfig(conversion=ConversionMode.RAW)
+    assert sync.conversion_problems(arch="qwen3_moe", num_trained_mtp_layers=1, num_experts=8) == []
+    assert load_config(overrides=["model.num_trained_mtp_layers=1"]).sync.conversion is ConversionMode.RAW
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bridge_conversion_accepts_the_dense_families(arch):
+    config = load_config(overrides=["sync.conversion=bridge", f"model.arch={arch}"])
+    assert config.sync.conversion is ConversionMode.BRIDGE
+    assert config.sync.conversion_problems(arch=arch, num_trained_mtp_layers=0) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "feature"),
+    [
+        (["model.num_trained_mtp_layers=1"], "the MTP layer of qwen3 (model.num_trained_mtp_layers=1)"),
+        (["model.arch=qwen3_moe"], "the MoE experts of qwen3_moe"),
+        (["model.arch=deepseek_v3"], "the deepseek_v3 family (bridge mode covers llama, qwen2, qwen3)"),
+    ],
+)
+def test_bridge_conversion_refuses_what_it_cannot_export_naming_feature_and_mode(overrides, feature):
+    from importlib import metadata
+
+    with pytest.raises(ValueError) as info:
+        load_config(overrides=["sync.conversion=bridge", *overrides])
+    message = str(info.value)
+    assert f"sync.conversion=bridge cannot export {feature} on megatron-bridge " in message, message
+    assert metadata.version("megatron-bridge") in message and "use sync.conversion=raw" in message
+
+
+def test_bridge_conversion_reads_the_checkpoint_config():
+    sync = SyncConfig(conversion=ConversionMode.BRIDGE)
+    dense = {"model_type": "qwen3", "num_nextn_predict_layers": 1}
+    assert sync.checkpoint_problems(dense, num_trained_mtp_layers=0) == []
+    (mtp,) = sync.checkpoint_problems(dense, num_trained_mtp_layers=1)
+    assert "the MTP layer of qwen3" in mtp
+    for moe in ({"model_type": "qwen3_moe", "num_experts": 8}, {"model_type": "mixtral", "num_local_experts": 4}):
+        (problem,) = sync.checkpoint_problems(moe, num_trained_mtp_layers=0)
+        assert f"the MoE experts of {moe['model_type']} (" in problem and "experts per layer)" in problem
+    assert (
+        SyncConfig().checkpoint_problems({"model_type": "qwen3_moe", "num_experts": 8}, num_trained_mtp_layers=1) == []
+    )

@@ -207,3 +207,30 @@ def test_draft_report_round_trips_through_the_wire_codec():
 
 def test_has_runner():
     assert {k for k in DraftKind if DraftReport(kind=k).has_runner} == {DraftKind.MTP, DraftKind.STANDALONE}
+
+
+@pytest.mark.parametrize("mode", [SelectorMode.AUTO, SelectorMode.ALL])
+def test_frozen_draft_in_bridge_mode_is_refused_naming_the_override(mode):
+    # Bridge mode could emit draft weights, so `auto` resolves `all`; an export without the draft's names is then
+    # refused, and the message names the config override that leaves the draft out.
+    draft = DraftReport(kind=DraftKind.MTP, owned_names=DRAFT_NAMES)
+    with pytest.raises(ValueError) as info:
+        resolve_selector(
+            mode,
+            speculative_algorithm="NEXTN",
+            num_trained_mtp_layers=0,
+            conversion_mode=ConversionMode.BRIDGE,
+            draft=draft,
+            exported_names=["model.norm.weight"],
+        )
+    assert "'all' includes the mtp draft" in str(info.value)
+    assert "sync.selector=target" in str(info.value)
+    got = resolve_selector(
+        SelectorMode.TARGET,
+        speculative_algorithm="NEXTN",
+        num_trained_mtp_layers=0,
+        conversion_mode=ConversionMode.BRIDGE,
+        draft=draft,
+        exported_names=["model.norm.weight"],
+    )
+    assert got is Selector.TARGET
