@@ -95,7 +95,7 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
                     rounds.append(row)
                     advance(format_row(row))
                     if not row.committed:
-                        raise RuntimeError(f"round {index}: the sync failed; see report.json")
+                        raise RuntimeError(f"round {index}: the sync failed: {row.error}")
     except BaseException as exc:
         status = f"failed: {type(exc).__name__}: {exc}"
         raise

@@ -48,6 +48,7 @@ class RoundRecord:
     committed: bool
     verified: bool  # committed, verification on, and every engine matched every exported tensor's checksum
     verification: str  # the check that ran (exact, engine-exact, replica, ...; "+"-joined when engines differ)
+    error: str | None  # why the sync failed (None when it committed)
     selector: str | None
     sync_s: float
     gbps: float
@@ -94,6 +95,7 @@ def round_record(
         committed=report.committed,
         verified=verified,
         verification=report.verification,
+        error=report.error,
         selector=None if report.selector is None else report.selector.value,
         sync_s=report.total_s,
         gbps=report.gb_per_s,
