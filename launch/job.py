@@ -138,7 +138,7 @@ def start_job_actors(
         engine_log_dir = Path(config.output_dir) / config.run_name / "engine-logs"
     with contextlib.ExitStack() as stack:
         checkpoint = _checkpoint_dir(config, log=log)
-        _check_conversion(config, checkpoint)  # what the trainer could not export fails before anything is placed
+        _check_checkpoint(config, checkpoint)  # what the trainers could not split or export fails before placement
         placed = _placement(config)
         if placed is not None:
             stack.callback(placed.remove)
@@ -286,14 +286,16 @@ def _checkpoint_dir(config: MilesSyncConfig, *, log: Callable[[str], None]) -> s
     return str(cached_checkpoints(cache) / "target")
 
 
-def _check_conversion(config: MilesSyncConfig, checkpoint: str) -> None:
-    """Raise ValueError when `sync.conversion` cannot export the checkpoint's model (its config.json may name
-    another family than `model.arch`, or MoE experts). A directory without config.json is left to the engines."""
+def _check_checkpoint(config: MilesSyncConfig, checkpoint: str) -> None:
+    """Raise ValueError when the trainer layout cannot split the checkpoint's model (layers per pp, experts per ep)
+    or `sync.conversion` cannot export it (its config.json may name another family than `model.arch`, or MoE
+    experts). A directory without config.json is left to the engines."""
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
         return
-    problems = config.sync.checkpoint_problems(
-        json.loads(path.read_text()), num_trained_mtp_layers=config.model.num_trained_mtp_layers
+    hf_config = json.loads(path.read_text())
+    problems = config.trainer.checkpoint_problems(hf_config) + config.sync.checkpoint_problems(
+        hf_config, num_trained_mtp_layers=config.model.num_trained_mtp_layers
     )
     if problems:
         raise ValueError(f"checkpoint {checkpoint}: " + "; ".join(problems))

@@ -211,6 +211,22 @@ class TrainerConfig:
             problems.append(f"lr={self.lr} must be positive")
         raise_if(problems)
 
+    def checkpoint_problems(self, hf_config: Mapping[str, Any]) -> list[str]:
+        """The layout's problems with the model a checkpoint's config.json describes (its dict): decoder layers
+        not divisible by pp, routed experts not divisible by ep. Pure; the job driver calls it before placement,
+        when the model is known (the config alone cannot say)."""
+        layers = hf_config.get("num_hidden_layers")
+        experts = [n for n in (hf_config.get(key) for key in _EXPERT_COUNT_KEYS) if isinstance(n, int) and n > 0]
+        return parallel_layout_problems(
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            etp=self.etp,
+            dp=self.dp,
+            num_layers=layers if isinstance(layers, int) else None,
+            num_experts=max(experts) if experts else None,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:

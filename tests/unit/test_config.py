@@ -359,3 +359,16 @@ def test_bridge_conversion_reads_the_checkpoint_config():
     assert (
         SyncConfig().checkpoint_problems({"model_type": "qwen3_moe", "num_experts": 8}, num_trained_mtp_layers=1) == []
     )
+
+
+def test_trainer_layout_is_checked_against_the_checkpoint_model():
+    """Layers per pipeline stage and experts per expert-parallel rank are known only from the checkpoint's
+    config.json: the driver asks the trainer config before anything is placed, each problem naming its factors."""
+    dense = {"model_type": "qwen3", "num_hidden_layers": 3}
+    assert TrainerConfig(tp=2).checkpoint_problems(dense) == []
+    (problem,) = TrainerConfig(tp=1, pp=2, dp=1).checkpoint_problems(dense)
+    assert problem == "num_layers=3 is not divisible by pp=2"
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 6}
+    assert TrainerConfig(tp=2, ep=2).checkpoint_problems(moe) == []
+    (problem,) = TrainerConfig(tp=2, dp=2, ep=4).checkpoint_problems(moe)
+    assert problem == "num_experts=6 is not divisible by ep=4"
