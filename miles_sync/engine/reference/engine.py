@@ -30,10 +30,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
-
 from miles_sync.engine.reference.backend import AllocationError, EngineDown, LocalBackend, WeightBackend
-from miles_sync.engine.reference.runner import Runner
+from miles_sync.engine.reference.runner import Runner, dtype_str
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.settings import FinalizePolicy
 from miles_sync.weights.checksum import sglang_parameter_names
@@ -364,7 +362,7 @@ class ReferenceEngine:
                 if expected.shape != meta.shape or expected.dtype != meta.dtype:
                     problems.append(
                         f"tensor {meta.name!r} for the {role.value} runner: expected shape {list(expected.shape)} "
-                        f"dtype {_dtype(expected.dtype)}, got shape {list(meta.shape)} dtype {_dtype(meta.dtype)}"
+                        f"dtype {dtype_str(expected.dtype)}, got shape {list(meta.shape)} dtype {dtype_str(meta.dtype)}"
                     )
         return problems
 
@@ -507,10 +505,6 @@ class ReferenceEngine:
 
 def _meta(entry: BucketEntry) -> TensorMeta:
     return TensorMeta(name=entry.name, shape=entry.shape, dtype=entry.dtype)
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _describe(runners: Sequence[Runner]) -> str:

@@ -41,6 +41,7 @@ __all__ = [
     "linear_weight_names",
     "load_tokenizer",
     "model_family",
+    "mtp_forward",
     "mtp_prefix",
     "num_mtp_layers",
     "read_config",
@@ -260,21 +261,28 @@ class MTPHead(nn.Module):
         Returns logits from the shared lm_head and the head's own normed hidden, which a recurrent draft feeds back
         as h for its next step. Right-padded batches are exact at real positions (causal mask).
         """
-        length = next_ids.shape[1]
-        embeds = embed_tokens(next_ids)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        position_ids = torch.arange(length, device=x.device)[None].expand(x.shape[0], length)
-        position_embeddings = self.rotary(x, position_ids)
-        x = self.layer(
-            x,
-            attention_mask=causal_mask(length, dtype=x.dtype),
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-        )
-        if isinstance(x, tuple):  # older transformers return (hidden, ...)
-            x = x[0]
-        out = self.shared_head.norm(x)
-        return LMOutput(logits=lm_head(out), hidden=out)
+        return mtp_forward(self, next_ids, hidden, embed_tokens=embed_tokens, lm_head=lm_head)
+
+
+def mtp_forward(
+    head: nn.Module, next_ids: torch.Tensor, hidden: torch.Tensor, *, embed_tokens: nn.Module, lm_head: nn.Module
+) -> LMOutput:
+    """One MTP step of `head` (an `MTPHead`, or one TP rank's `parallel_models.ShardedMTPHead`, which has the same
+    modules: enorm, hnorm, eh_proj, layer, rotary, shared_head.norm); see `MTPHead.forward`."""
+    length = next_ids.shape[1]
+    embeds = embed_tokens(next_ids)
+    x = head.eh_proj(torch.cat([head.enorm(embeds), head.hnorm(hidden)], dim=-1))
+    position_ids = torch.arange(length, device=x.device)[None].expand(x.shape[0], length)
+    x = head.layer(
+        x,
+        attention_mask=causal_mask(length, dtype=x.dtype),
+        position_ids=position_ids,
+        position_embeddings=head.rotary(x, position_ids),
+    )
+    if isinstance(x, tuple):  # older transformers return (hidden, ...)
+        x = x[0]
+    out = head.shared_head.norm(x)
+    return LMOutput(logits=lm_head(out), hidden=out)
 
 
 def _init_like_hf(module: nn.Module, *, std: float) -> None:

@@ -32,9 +32,9 @@ from miles_sync.engine.reference.models import (
     CausalLM,
     LMOutput,
     MTPHead,
-    causal_mask,
     config_dtype,
     model_family,
+    mtp_forward,
 )
 from miles_sync.weights.engine_layout import (
     ShardKind,
@@ -279,17 +279,4 @@ class ShardedMTPHead(nn.Module):
         self, next_ids: torch.Tensor, hidden: torch.Tensor, *, embed_tokens: nn.Module, lm_head: nn.Module
     ) -> LMOutput:
         """As `MTPHead.forward`, with the target's vocab-parallel embed_tokens and lm_head of this rank."""
-        length = next_ids.shape[1]
-        embeds = embed_tokens(next_ids)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        position_ids = torch.arange(length, device=x.device)[None].expand(x.shape[0], length)
-        x = self.layer(
-            x,
-            attention_mask=causal_mask(length, dtype=x.dtype),
-            position_ids=position_ids,
-            position_embeddings=self.rotary(x, position_ids),
-        )
-        if isinstance(x, tuple):  # older transformers return (hidden, ...)
-            x = x[0]
-        out = self.shared_head.norm(x)
-        return LMOutput(logits=lm_head(out), hidden=out)
+        return mtp_forward(self, next_ids, hidden, embed_tokens=embed_tokens, lm_head=lm_head)

@@ -42,10 +42,12 @@ from miles_sync.wire.text import shorten
 __all__ = [
     "DRAFT_KINDS",
     "Runner",
+    "dtype_str",
     "load_mtp_runner",
     "load_runners",
     "load_standalone_runner",
     "load_target_runner",
+    "populate",
 ]
 
 DRAFT_KINDS = ("none", "mtp", "standalone", "ngram")
@@ -130,8 +132,8 @@ class Runner:
             stored = self._stored[name]
             if tuple(tensor.shape) != tuple(stored.shape) or tensor.dtype != stored.dtype:
                 problems.append(
-                    f"{name}: expected shape {tuple(stored.shape)} dtype {_dtype_str(stored.dtype)}, "
-                    f"got shape {tuple(tensor.shape)} dtype {_dtype_str(tensor.dtype)}"
+                    f"{name}: expected shape {tuple(stored.shape)} dtype {dtype_str(stored.dtype)}, "
+                    f"got shape {tuple(tensor.shape)} dtype {dtype_str(tensor.dtype)}"
                 )
         if problems:
             raise ValueError(f"{self.role} runner rejected the payload: " + "; ".join(problems))
@@ -191,7 +193,7 @@ class Runner:
             if stored is None:
                 problems.append(f"{name}: not owned")
             elif tuple(tensor.shape) != tuple(stored.shape) or tensor.dtype != stored.dtype:
-                problems.append(f"{name}: expected shape {tuple(stored.shape)} dtype {_dtype_str(stored.dtype)}")
+                problems.append(f"{name}: expected shape {tuple(stored.shape)} dtype {dtype_str(stored.dtype)}")
         if problems:
             raise ValueError(f"{self.role} runner cannot overwrite: " + "; ".join(problems))
         with self.weights_lock:  # one critical section: no forward sees new bytes under an old compute view
@@ -225,12 +227,14 @@ class Runner:
         return f"Runner(role={self.role.value}, model={kind}, layout={self.layout.value}, tensors={len(self._stored)})"
 
 
-def _dtype_str(dtype: torch.dtype) -> str:
+def dtype_str(dtype: torch.dtype) -> str:
+    """A dtype as error messages show it ("bfloat16"); any dtype, unlike the wire's name table."""
     return str(dtype).removeprefix("torch.")
 
 
-def _populate(runner: Runner, tensors: Mapping[str, torch.Tensor], *, source: str) -> Runner:
-    """Fill a fresh runner from checkpoint tensors, then finalize it once (start-up post-processing)."""
+def populate(runner, tensors: Mapping[str, torch.Tensor], *, source: str):
+    """Fill a fresh runner (a `Runner`, or a TP rank's `sharded.ShardedRunner`) from full checkpoint tensors, then
+    finalize it once (start-up post-processing); returns it."""
     missing = sorted(runner.owned_names() - tensors.keys())
     if missing:
         raise ValueError(
@@ -249,7 +253,7 @@ def load_target_runner(
     """The target runner of a checkpoint directory; MTP names (`model.layers.N.*`) in it are ignored."""
     model = CausalLM(read_config(path))
     runner = Runner(role=Role.TARGET, model=model, layout=layout, weights_lock=weights_lock)
-    return _populate(runner, read_safetensors(path), source=str(path))
+    return populate(runner, read_safetensors(path), source=str(path))
 
 
 def load_mtp_runner(path: str | os.PathLike, *, target: Runner, layout: WeightLayout = WeightLayout.NONE) -> Runner:
@@ -264,7 +268,7 @@ def load_mtp_runner(path: str | os.PathLike, *, target: Runner, layout: WeightLa
         )
     model = MTPHead(config)
     runner = Runner(role=Role.DRAFT, model=model, layout=layout, weights_lock=target.weights_lock)
-    return _populate(runner, tensors, source=str(path))
+    return populate(runner, tensors, source=str(path))
 
 
 def load_standalone_runner(
@@ -273,7 +277,7 @@ def load_standalone_runner(
     """A standalone draft model (its own embedding, layers and lm_head under the usual HF names)."""
     model = CausalLM(read_config(path))
     runner = Runner(role=Role.DRAFT, model=model, layout=layout, weights_lock=weights_lock)
-    return _populate(runner, read_safetensors(path), source=str(path))
+    return populate(runner, read_safetensors(path), source=str(path))
 
 
 def load_runners(

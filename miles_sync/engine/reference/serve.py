@@ -125,6 +125,11 @@ def build_engine(args: argparse.Namespace) -> ReferenceEngine:
         return _build_rank_engine(args)
     layout = WeightLayout(args.weight_layout)
     target, draft = load_runners(args.model, draft_kind=args.draft_kind, draft_path=args.draft, layout=layout)
+    return _engine(args, target, draft)
+
+
+def _engine(args: argparse.Namespace, target, draft, *, backend: RankBackend | None = None) -> ReferenceEngine:
+    """The scheduler over `target`/`draft` (runners, or a multi-rank engine's views of them) and the engine."""
     scheduler = Scheduler(
         target=target,
         draft=draft,
@@ -143,16 +148,18 @@ def build_engine(args: argparse.Namespace) -> ReferenceEngine:
         draft_is_frozen=args.draft_is_frozen,
         checksum_names=ChecksumNames(args.checksum_names),
         draft_role=args.draft_role,
+        backend=backend,
     )
 
 
 def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
     """Start the TP rank processes (each loads and shards the checkpoint), then the front's scheduler and engine."""
     config = read_config(args.model)
-    checked = [("the target", config)] + ([("the draft", read_config(args.draft))] if args.draft else [])
+    draft_config = config if args.draft is None else read_config(args.draft)  # a standalone draft's own
+    checked = [("the target", args.model, config)] + ([("the draft", args.draft, draft_config)] if args.draft else [])
     problems = [
         f"{what} ({path}): {problem}"
-        for (what, model_config), path in zip(checked, (args.model, args.draft))
+        for what, path, model_config in checked
         for problem in tp_problems(TPShape.from_config(model_config), args.tp_size)
     ]
     if problems:  # before spawning anything: what SGLang refuses at start-up
@@ -173,30 +180,10 @@ def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
         target = RankRunnerView(fleet, role=Role.TARGET, config=config, metadata=metadata["target"], weights_lock=lock)
         draft = None
         if Role.DRAFT.value in metadata:
-            draft_config = read_config(args.draft) if args.draft is not None else config
             draft = RankRunnerView(
                 fleet, role=Role.DRAFT, config=draft_config, metadata=metadata["draft"], weights_lock=lock
             )
-        scheduler = Scheduler(
-            target=target,
-            draft=draft,
-            draft_kind=args.draft_kind,
-            spec_steps=args.spec_steps,
-            tokenizer=load_tokenizer(args.model),
-        )
-        return ReferenceEngine(
-            target=target,
-            draft=draft,
-            draft_kind=DraftKind(args.draft_kind),
-            scheduler=scheduler,
-            model_path=str(args.model),
-            finalize_policy=FinalizePolicy(args.finalize_policy),
-            collective_timeout_s=args.collective_timeout_s,
-            draft_is_frozen=args.draft_is_frozen,
-            checksum_names=ChecksumNames.ENGINE,
-            draft_role=args.draft_role,
-            backend=RankBackend(fleet, weights_lock=lock),
-        )
+        return _engine(args, target, draft, backend=RankBackend(fleet, weights_lock=lock))
     except BaseException:
         fleet.close()
         raise

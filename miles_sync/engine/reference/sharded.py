@@ -28,7 +28,7 @@ from miles_sync.engine.reference.models import (
     read_safetensors,
 )
 from miles_sync.engine.reference.parallel_models import ShardedCausalLM, ShardedMTPHead
-from miles_sync.engine.reference.runner import DRAFT_KINDS
+from miles_sync.engine.reference.runner import DRAFT_KINDS, dtype_str, populate
 from miles_sync.weights.checksum import sglang_parameter_names
 from miles_sync.weights.engine_layout import (
     TPShape,
@@ -39,11 +39,8 @@ from miles_sync.weights.engine_layout import (
 from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
-from miles_sync.wire.text import shorten
 
 __all__ = ["ShardedRunner", "load_sharded_runners"]
-
-_NUM_SHOWN = 5  # how many missing checkpoint tensors an error message lists
 
 
 # ---- runner -----------------------------------------------------------------------------------------------------
@@ -153,8 +150,8 @@ class ShardedRunner:
             meta = self._full[name]
             if tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
                 problems.append(
-                    f"{name}: expected shape {meta.shape} dtype {_dtype_str(meta.dtype)}, "
-                    f"got shape {tuple(tensor.shape)} dtype {_dtype_str(tensor.dtype)}"
+                    f"{name}: expected shape {meta.shape} dtype {dtype_str(meta.dtype)}, "
+                    f"got shape {tuple(tensor.shape)} dtype {dtype_str(tensor.dtype)}"
                 )
         if problems:
             raise ValueError(f"{self.role} runner rejected the payload: " + "; ".join(problems))
@@ -226,7 +223,7 @@ class ShardedRunner:
             if stored is None:
                 problems.append(f"{name}: not an engine parameter of this runner")
             elif tuple(tensor.shape) != tuple(stored.shape) or tensor.dtype != stored.dtype:
-                problems.append(f"{name}: expected shape {tuple(stored.shape)} dtype {_dtype_str(stored.dtype)}")
+                problems.append(f"{name}: expected shape {tuple(stored.shape)} dtype {dtype_str(stored.dtype)}")
         if problems:
             raise ValueError(f"{self.role} runner cannot overwrite: " + "; ".join(problems))
         with self.weights_lock:
@@ -265,25 +262,7 @@ def _parts(engine_name: str, named: list[tuple[str, nn.Parameter]]) -> list[_Par
     return parts
 
 
-def _dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # ---- loading a checkpoint ---------------------------------------------------------------------------------------
-
-
-def _populate(runner: ShardedRunner, tensors: Mapping[str, torch.Tensor], *, source: str) -> ShardedRunner:
-    """Fill a fresh runner from full checkpoint tensors, then finalize it once (start-up post-processing)."""
-    missing = sorted(runner.owned_names() - tensors.keys())
-    if missing:
-        raise ValueError(
-            f"checkpoint {source!r} lacks {len(missing)} tensor(s) of the {runner.role} runner: "
-            f"{shorten(missing, limit=_NUM_SHOWN)}"
-        )
-    runner.load(tensors.items())
-    runner.reset_session()
-    runner.finalize_all()
-    return runner
 
 
 def load_sharded_runners(
@@ -327,13 +306,13 @@ def load_sharded_runners(
     tp = {"tp_rank": tp_rank, "tp_size": tp_size, "group": group}
     lock = threading.RLock()
     target = ShardedRunner(role=Role.TARGET, model=ShardedCausalLM(config, **tp), layout=layout, weights_lock=lock)
-    _populate(target, tensors, source=str(model_path))
+    populate(target, tensors, source=str(model_path))
     if kind == "mtp":
         draft = ShardedRunner(role=Role.DRAFT, model=ShardedMTPHead(config, **tp), layout=layout, weights_lock=lock)
-        return target, _populate(draft, tensors, source=str(model_path))
+        return target, populate(draft, tensors, source=str(model_path))
     if kind == "standalone":
         draft_config = models[1][1]
         model = ShardedCausalLM(draft_config, **tp)
         draft = ShardedRunner(role=Role.DRAFT, model=model, layout=layout, weights_lock=lock)
-        return target, _populate(draft, read_safetensors(draft_path), source=str(draft_path))
+        return target, populate(draft, read_safetensors(draft_path), source=str(draft_path))
     return target, None
