@@ -2,7 +2,9 @@
 
 Joining blocks until the rendezvous completes, so it runs outside every engine lock: the engine keeps serving
 while a trainer's ranks gather. A name is reserved while its rendezvous is in progress, so two concurrent joins
-under one name cannot both succeed.
+under one name cannot both succeed. Joins run one at a time, as in SGLang, whose scheduler handles one
+`init_weights_update_group` at a time and blocks in its rendezvous: a controller that asked two engines to join
+two groups in opposite orders would deadlock both here as it would there (until the rendezvous timeout).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class UpdateGroups:
         self._timeout_s = timeout_s
         self._groups: dict[str, UpdateGroup | None] = {}  # None: a rendezvous in progress under that name
         self._lock = threading.Lock()
+        self._rendezvous = threading.Lock()  # one join at a time (module docstring)
 
     def join(
         self, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str
@@ -32,15 +35,16 @@ class UpdateGroups:
             self._groups[group_name] = None
         group = None
         try:
-            group = create_update_group(
-                master_address=master_address,
-                master_port=master_port,
-                rank=rank,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,
-                timeout_s=self._timeout_s,
-            )
+            with self._rendezvous:
+                group = create_update_group(
+                    master_address=master_address,
+                    master_port=master_port,
+                    rank=rank,
+                    world_size=world_size,
+                    group_name=group_name,
+                    backend=backend,
+                    timeout_s=self._timeout_s,
+                )
         except (ValueError, TimeoutError, RuntimeError) as exc:
             raise ValueError(f"joining update group {group_name!r} failed: {exc}") from None
         finally:
