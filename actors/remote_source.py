@@ -17,6 +17,7 @@ import ray
 
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT, attached_source
 from miles_sync.sync.engine_digests import EngineDigestPlan
+from miles_sync.sync.pipeline import PipelineSource
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.source import RankInfo, RankSendResult
@@ -24,7 +25,7 @@ from miles_sync.sync.weight_source import SendResult, StageResult
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
-__all__ = ["RemoteTrainerSource"]
+__all__ = ["RemoteTrainerSource", "StageSource", "plan_stages"]
 
 # Extra seconds the controller waits for a rank beyond the rank's own deadline, so the rank's precise error (not a
 # bare controller-side timeout) is what gets reported.
@@ -70,8 +71,11 @@ def _on_rank(actor: object, name: str, method: str, kwargs: dict[str, Any]) -> A
 class RemoteTrainerSource:
     """The WeightSource (miles_sync.sync.weight_source) over trainer actors whose processes attached a model.
 
-    Async, for the controller actor's event loop. `connect()` first: it reads every rank's RankInfo and finds
-    the export source (one pipeline stage: exactly one source rank). Every call has a deadline.
+    Async, for the controller actor's event loop. `connect()` first: it reads every rank's RankInfo and groups the
+    ranks by pipeline stage, each stage with exactly one export source rank; from then on every call goes through
+    a `PipelineSource` over one `StageSource` per stage (one update group per stage, opened and sent in stage
+    order: miles_sync.sync.pipeline). With one stage that is exactly one source and one group. Every call has a
+    deadline.
     """
 
     def __init__(
@@ -87,39 +91,149 @@ class RemoteTrainerSource:
         if not control_timeout_s > 0:
             raise ValueError(f"control_timeout_s={control_timeout_s} must be positive")
         self._trainers = tuple(trainers)
-        self._settings = settings
-        self._attachment = attachment
-        self._control_timeout_s = control_timeout_s
+        self._calls = _RankCalls(attachment=attachment, settings=settings, control_timeout_s=control_timeout_s)
         self._ranks: tuple[RankInfo, ...] = ()
-        self._source_index: int | None = None
+        self._pipeline: PipelineSource | None = None
 
     @property
     def ranks(self) -> tuple[RankInfo, ...]:
         return self._ranks
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages (export sources) found by `connect()`; 1 before it."""
+        return 1 if self._pipeline is None else self._pipeline.num_stages
+
     async def connect(self) -> tuple[RankInfo, ...]:
-        infos = await self._on_all("describe", timeout_s=self._control_timeout_s)
-        sources = [i for i, info in enumerate(infos) if info.is_source]
-        if len(sources) != 1:
-            raise ValueError(
-                f"trainer ranks {[infos[i].rank for i in sources]} are export sources; the update group has one "
-                f"source rank, so the model must have exactly one pipeline stage (pp=1)"
-            )
-        self._ranks, self._source_index = tuple(infos), sources[0]
+        infos = await self._calls.on_all(self._trainers, "describe", timeout_s=self._calls.control_timeout_s)
+        self._pipeline = PipelineSource(plan_stages(self._trainers, infos, calls=self._calls))
+        self._ranks = tuple(infos)
         return self._ranks
 
     async def exported_names(self) -> tuple[str, ...]:
-        return await self._call(self._source(), "exported_names", timeout_s=self._control_timeout_s)
+        return await self._stages().exported_names()
 
     async def open(
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
     ) -> GroupMembership | None:
-        results = await self._on_all(
+        return await self._stages().open(engines=engines, membership=membership)
+
+    async def send(
+        self,
+        *,
+        selector: Selector,
+        on_bucket: Callable[[BucketProgress], None] | None = None,
+        engine_digests: EngineDigestPlan | None = None,
+    ) -> SendResult:
+        return await self._stages().send(selector=selector, on_bucket=on_bucket, engine_digests=engine_digests)
+
+    async def stage(self) -> StageResult:
+        return await self._stages().stage()
+
+    async def close(self) -> None:
+        if self._pipeline is None:  # never connected: every rank may still hold a transport of an earlier owner
+            await self._calls.on_all(self._trainers, "close", timeout_s=self._calls.rank_timeout_s)
+            return
+        await self._pipeline.close()
+
+    def _stages(self) -> PipelineSource:
+        if self._pipeline is None:
+            raise RuntimeError("RemoteTrainerSource used before connect()")
+        return self._pipeline
+
+
+def plan_stages(trainers: Sequence[Any], infos: Sequence[RankInfo], *, calls: _RankCalls) -> list[StageSource]:
+    """One StageSource per pipeline stage, in stage order, over the ranks whose RankInfo names that stage; raises
+    ValueError when a stage has no export source or several, or the stages do not number 0..n-1."""
+    by_stage: dict[int, list[int]] = {}
+    for index, info in enumerate(infos):
+        by_stage.setdefault(info.pp_rank, []).append(index)
+    problems = []
+    if sorted(by_stage) != list(range(len(by_stage))):
+        problems.append(f"the ranks report pipeline stages {sorted(by_stage)}, not 0..{len(by_stage) - 1}")
+    stages = []
+    for stage in sorted(by_stage):
+        members = by_stage[stage]
+        sources = [i for i in members if infos[i].is_source]
+        if len(sources) != 1:
+            problems.append(
+                f"pipeline stage {stage} has {len(sources)} export source ranks {[infos[i].rank for i in sources]}; "
+                f"each stage needs exactly one (its tp 0 / dp 0 rank)"
+            )
+            continue
+        stages.append(
+            StageSource(
+                stage=stage,
+                trainers=[trainers[i] for i in members],
+                source_index=members.index(sources[0]),
+                calls=calls,
+            )
+        )
+    if problems:
+        raise ValueError("trainer ranks do not form a pipeline: " + "; ".join(problems))
+    return stages
+
+
+class _RankCalls:
+    """How the controller calls a method of the ModelSource attached on a trainer actor, with deadlines."""
+
+    def __init__(self, *, attachment: str, settings: SenderSettings, control_timeout_s: float) -> None:
+        self.attachment = attachment
+        self.settings = settings
+        self.control_timeout_s = control_timeout_s
+
+    @property
+    def rank_timeout_s(self) -> float:
+        """A whole open, stage, send or close on a rank, plus the margin for the rank's own error to arrive."""
+        return self.settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S
+
+    async def on_all(self, trainers: Sequence[Any], method: str, *, timeout_s: float, **kwargs: Any) -> list[Any]:
+        """`method` on every rank concurrently; raises RuntimeError naming each failed rank after all answered."""
+        results = await asyncio.gather(
+            *(self.call(t, method, timeout_s=timeout_s, **kwargs) for t in trainers), return_exceptions=True
+        )
+        failures = [f"trainer {i}: {r}" for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failures:
+            shown = "; ".join(failures)
+            raise RuntimeError(f"{method} failed on {len(failures)} of {len(results)} trainer rank(s): {shown}")
+        return list(results)
+
+    async def call(self, trainer: Any, method: str, *, timeout_s: float, **kwargs: Any) -> Any:
+        ref = trainer.__ray_call__.remote(_on_rank, self.attachment, method, kwargs)
+        try:
+            return await asyncio.wait_for(ref, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            ray.cancel(ref)
+            raise TimeoutError(f"{method} got no answer within {timeout_s} s") from None
+        except ray.exceptions.RayTaskError as exc:
+            # The rank's own exception, without Ray's remote traceback around it.
+            raise _cause(exc) from None
+
+
+class StageSource:
+    """The WeightSource over the trainer ranks of one pipeline stage: every call goes to all of them (the
+    export's collectives pair up within the stage), and the stage's source rank's answer is the result."""
+
+    def __init__(self, *, stage: int, trainers: Sequence[Any], source_index: int, calls: _RankCalls) -> None:
+        self.stage = stage
+        self._trainers = tuple(trainers)
+        self._source_index = source_index
+        self._calls = calls
+
+    async def exported_names(self) -> tuple[str, ...]:
+        source = self._trainers[self._source_index]
+        return await self._calls.call(source, "exported_names", timeout_s=self._calls.control_timeout_s)
+
+    async def open(
+        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
+    ) -> GroupMembership | None:
+        results = await self._calls.on_all(
+            self._trainers,
             "open",
-            timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S,
+            timeout_s=self._calls.rank_timeout_s,
             engines=tuple(engines),
             membership=membership,
-            settings=self._settings,
+            settings=self._calls.settings,
         )
         return results[self._source_index]
 
@@ -130,8 +244,8 @@ class RemoteTrainerSource:
         on_bucket: Callable[[BucketProgress], None] | None = None,
         engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult:
-        # Every rank exports at once (the gather's collectives pair up); only the source's result carries bytes
-        # (and the engine digests, which only the source rank computes).
+        # Every rank of the stage exports at once (the gather's collectives pair up); only the source's result
+        # carries bytes (and the engine digests, which only the source rank computes).
         seen: set[int] = set()
 
         def receive(event: BucketProgress) -> None:
@@ -144,9 +258,10 @@ class RemoteTrainerSource:
         push = None if controller is None else _ProgressPush(controller=controller, token=token)
         _RECEIVERS[token] = receive
         try:
-            results: list[RankSendResult] = await self._on_all(
+            results: list[RankSendResult] = await self._calls.on_all(
+                self._trainers,
                 "send",
-                timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S,
+                timeout_s=self._calls.rank_timeout_s,
                 selector=selector,
                 on_bucket=push,
                 engine_digests=engine_digests,
@@ -159,38 +274,11 @@ class RemoteTrainerSource:
         return sent.result
 
     async def stage(self) -> StageResult:
-        results = await self._on_all("stage", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S)
+        results = await self._calls.on_all(self._trainers, "stage", timeout_s=self._calls.rank_timeout_s)
         return results[self._source_index]
 
     async def close(self) -> None:
-        await self._on_all("close", timeout_s=self._settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S)
-
-    def _source(self) -> Any:
-        if self._source_index is None:
-            raise RuntimeError("RemoteTrainerSource used before connect()")
-        return self._trainers[self._source_index]
-
-    async def _on_all(self, method: str, *, timeout_s: float, **kwargs: Any) -> list[Any]:
-        """`method` on every rank concurrently; raises RuntimeError naming each failed rank after all answered."""
-        results = await asyncio.gather(
-            *(self._call(t, method, timeout_s=timeout_s, **kwargs) for t in self._trainers), return_exceptions=True
-        )
-        failures = [f"trainer {i}: {r}" for i, r in enumerate(results) if isinstance(r, BaseException)]
-        if failures:
-            shown = "; ".join(failures)
-            raise RuntimeError(f"{method} failed on {len(failures)} of {len(results)} trainer rank(s): {shown}")
-        return list(results)
-
-    async def _call(self, trainer: Any, method: str, *, timeout_s: float, **kwargs: Any) -> Any:
-        ref = trainer.__ray_call__.remote(_on_rank, self._attachment, method, kwargs)
-        try:
-            return await asyncio.wait_for(ref, timeout=timeout_s)
-        except asyncio.TimeoutError:
-            ray.cancel(ref)
-            raise TimeoutError(f"{method} got no answer within {timeout_s} s") from None
-        except ray.exceptions.RayTaskError as exc:
-            # The rank's own exception, without Ray's remote traceback around it.
-            raise _cause(exc) from None
+        await self._calls.on_all(self._trainers, "close", timeout_s=self._calls.rank_timeout_s)
 
 
 def _cause(exc: Exception) -> Exception:

@@ -6,6 +6,8 @@
 
 It forwards every request (method, path, query, headers, body) to the upstream server unchanged and records the
 method, path and JSON body; answers come back unchanged. It runs on a thread of its own with its own event loop.
+`proxy.delays` holds (path, predicate on the JSON body, seconds) rules: a matching request is held that long
+before it is forwarded (how a test reorders what engines receive).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ class RecordingProxy:
         self.upstream = upstream.rstrip("/")
         self.url = ""
         self.requests: list[Recorded] = []
+        self.delays: list[tuple[str, Callable[[dict[str, Any]], bool], float]] = []
 
     def requests_with(self, **fields: Any) -> list[Recorded]:
         """Recorded requests whose JSON body has every given field with the given value."""
@@ -53,6 +56,9 @@ class RecordingProxy:
         except ValueError:
             body = None
         self.requests.append(Recorded(request.method, request.path, body))
+        for path, matches, seconds in tuple(self.delays):
+            if request.path == path and isinstance(body, dict) and matches(body):
+                await asyncio.sleep(seconds)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         async with session.request(
             request.method,

@@ -31,6 +31,7 @@ from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
 from miles_sync.sync.lease import LeaseLostError, SyncLease
+from miles_sync.sync.pipeline import stage_group_names
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.weight_source import WeightSource
@@ -150,7 +151,8 @@ class SyncController:
         # Group names are unique per controller and generation: a group that a dead source rank (or a dead earlier
         # controller) left on an engine can never collide with this controller's next one.
         self._group_token = uuid.uuid4().hex[:8]
-        self._group_name: str | None = None  # the engines' side of this group may exist until it is destroyed
+        # The engines' side of these groups (one per pipeline stage) may exist until they are destroyed.
+        self._group_names: tuple[str, ...] = ()
         self._trainer_ranks: tuple[Any, ...] = ()
 
     # ---- state ----------------------------------------------------------------------------------------------
@@ -349,7 +351,8 @@ class SyncController:
         if self._spec.needs_update_group:
             # A fresh name per generation: an engine that missed the last teardown still has the old group.
             name = f"{self._group.name}_{self._group_token}_{self._generation}"
-            self._group_name = name
+            # A source with pipeline stages opens one group per stage under names derived from this one.
+            self._group_names = stage_group_names(name, num_stages=getattr(self._source, "num_stages", 1))
             membership = plan_membership(
                 engines=endpoints,
                 group_name=name,
@@ -381,20 +384,20 @@ class SyncController:
         except Exception:
             await self._destroy_engine_groups()  # the source rank could not ask the engines itself
         else:
-            self._group_name = None  # the source's transport destroyed the engines' side
+            self._group_names = ()  # the source's transports destroyed the engines' side
 
     async def _destroy_engine_groups(self) -> None:
         """Ask every engine to destroy its side of the current group. The source rank's transport does this when
         it closes, but a source rank that died (or whose close timed out) cannot: without this the engines would
         hold the group's sockets and threads for the rest of their life. An engine that has no such group, or is
         dead, refuses; that is the expected answer after a clean close and is ignored."""
-        name, self._group_name = self._group_name, None
-        if name is None:
-            return
-        request = DestroyWeightsUpdateGroupRequest(group_name=name)
+        names, self._group_names = self._group_names, ()
         await asyncio.gather(
             *(
-                c.destroy_weights_update_group(request, timeout_s=self._timeouts.control_s)
+                c.destroy_weights_update_group(
+                    DestroyWeightsUpdateGroupRequest(group_name=name), timeout_s=self._timeouts.control_s
+                )
+                for name in names
                 for c in self._clients.values()
             ),
             return_exceptions=True,

@@ -111,6 +111,14 @@ class ModelSource:
 
         if not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s={collective_timeout_s} must be positive")
+        if feeds is not None and ps.get_pipeline_model_parallel_world_size() > 1:
+            # Opening a feed plan is a collective over the whole trainer group, but the stages' sources open one
+            # after another (one update group each, miles_sync.sync.pipeline): the plan would deadlock.
+            raise ValueError(
+                "a colocated feed plan spans the whole trainer group and cannot be used with pipeline stages "
+                f"(pp={ps.get_pipeline_model_parallel_world_size()}); pass feeds=None: each stage's source rank "
+                "then feeds every engine rank itself"
+            )
         if feeds is not None and feeds.num_trainers != dist.get_world_size():
             raise ValueError(
                 f"the colocated feed plan covers {feeds.num_trainers} trainer ranks, the trainer group has "
