@@ -33,7 +33,7 @@ from launch.cluster import connect_ray
 from miles_sync.config import MilesSyncConfig
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.kinds import engine_spec
-from miles_sync.engine.reference.checkpoints import cached_checkpoints
+from miles_sync.engine.reference.checkpoints import BUILT_IN_ARCHS, cached_checkpoints
 from miles_sync.engine.rollout import Sample, generate_samples
 from miles_sync.env import read_environment
 from miles_sync.job.placement import PlacementLayout, plan_colocated_feeds, plan_placement
@@ -281,9 +281,15 @@ class _Fleet:
 def _checkpoint_dir(config: MilesSyncConfig, *, log: Callable[[str], None]) -> str:
     if config.model.checkpoint_dir is not None:
         return config.model.checkpoint_dir
+    arch = config.model.arch
+    if arch not in BUILT_IN_ARCHS:
+        raise ValueError(
+            f"model.checkpoint_dir is null and model.arch={arch!r} has no built-in reference checkpoint; "
+            f"built-in archs: {', '.join(BUILT_IN_ARCHS)} (or set model.checkpoint_dir)"
+        )
     cache = read_environment().cache_dir
-    log(f"reference checkpoints: {cache} (built once, a few minutes, on the first run)")
-    return str(cached_checkpoints(cache) / "target")
+    log(f"reference {arch} checkpoint: {cache} (built once, a few minutes, on the first run)")
+    return str(cached_checkpoints(cache, arch=arch) / "target")
 
 
 def _check_checkpoint(config: MilesSyncConfig, checkpoint: str) -> None:
@@ -322,8 +328,9 @@ def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
 def _feeds(config: MilesSyncConfig, placed: PlacedGroups | None) -> FeedPlan | None:
     """Colocated transport on placed engines: each engine rank is fed by the trainer rank on its bundle (engine j
     by trainer rank j with TP=1 engines). Running servers (`engines.urls`) have no placement here: the export
-    source feeds them all."""
-    if placed is None or not transport_spec(config.sync.transport).feeds_from_every_rank:
+    source feeds them all. With pipeline stages each stage's source feeds every engine rank itself: a feed plan spans
+    the whole trainer group, and the stages open one after another (miles_sync.sync.pipeline)."""
+    if placed is None or not transport_spec(config.sync.transport).feeds_from_every_rank or config.trainer.pp > 1:
         return None
     return plan_colocated_feeds(placed.plan)
 
