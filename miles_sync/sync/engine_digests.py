@@ -11,11 +11,12 @@ TP size, weight layout, the TP split's dimensions, and which HF names each runne
   travels with the send. An engine without one (no weight_layout reported, config unreadable, a family or a
   quantization this model does not cover) falls back to the replica check, with the reason kept.
 - source side (`EngineDigester`): fed each bucket's tensors on the sender's hasher thread, it computes every
-  layout's expected per-rank digests while the bucket is on the wire. Fused groups (q/k/v, gate/up of one layer)
-  may straddle buckets: the rank slices of an incomplete group are copied and kept until the group completes
-  (the bucket buffer is reused), so memory stays bounded by what is pending. Without a layout to apply, a group's
-  parts are hashed as they come, in order (SGLang hashes the bytes of cat(parts) along dim 0, i.e. the parts'
-  bytes one after another); only parts that arrive ahead of their predecessors are kept.
+  layout's expected per-rank digests while the bucket is on the wire. Fused groups (q/k/v, gate/up of one layer,
+  the stacked experts of one MoE block) may straddle buckets: the rank slices of an incomplete group are copied
+  and kept until the group completes (the bucket buffer is reused), so memory stays bounded by what is pending.
+  Without a layout to apply, a group's parts are hashed as they come, in order (SGLang hashes the bytes of
+  cat(parts) along dim 0, i.e. the parts' bytes one after another; a stack of experts has the same bytes); only
+  parts that arrive ahead of their predecessors are kept.
 
 Expected digests are named as SGLang merges runners with the draft role "draft": target names unprefixed, draft
 names "draft.<name>". The verifier maps an answer's own draft role ("draft_step_0", ...) onto them.
@@ -36,7 +37,12 @@ from typing import Any
 
 import torch
 
-from miles_sync.weights.checksum import sglang_parameter_names, sglang_reported_name, sglang_tensor_hash
+from miles_sync.weights.checksum import (
+    sglang_fused_tensor,
+    sglang_parameter_names,
+    sglang_reported_name,
+    sglang_tensor_hash,
+)
 from miles_sync.weights.engine_layout import (
     ShardKind,
     TPShape,
@@ -63,9 +69,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# config.json model types whose TP split `miles_sync.weights.engine_layout` describes (dense decoders with
-# separate q/k/v and gate/up projections); any other family has no layout model here.
-MODELED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# config.json model types whose TP split `miles_sync.weights.engine_layout` describes (decoders with separate q/k/v
+# and gate/up projections; Qwen3-MoE's experts stacked as FusedMoE's, at TP=1); any other family has no layout model.
+MODELED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _DRAFT_ROLE = Role.DRAFT.value
 _TARGET_ROLE = Role.TARGET.value
@@ -270,7 +276,8 @@ class _LayoutDigests:
         self._digests: list[dict[str, str]] = [{} for _ in range(layout.tp_size)]
         self._members: dict[str, list[tuple[_Group, int]]] = collections.defaultdict(list)
         for role_name, role_names in layout.runner_names(names, roles=roles):
-            for engine_name, parts in sglang_parameter_names(role_names).items():
+            fused = sglang_parameter_names(role_names, num_experts=layout.shape.num_experts or None)
+            for engine_name, parts in fused.items():
                 self._register(role_name, engine_name, parts)
 
     def _register(self, role_name: str, engine_name: str, parts: tuple[str, ...]) -> None:
@@ -330,7 +337,9 @@ class _LayoutDigests:
                 group.hashers = []
         elif len(group.pending) == len(group.parts):
             for rank, digests in enumerate(self._digests):
-                fused = torch.cat([group.pending[i][rank] for i in range(len(group.parts))], dim=0)
+                fused = sglang_fused_tensor(
+                    group.engine_name, [group.pending[i][rank] for i in range(len(group.parts))]
+                )
                 digests[group.reported] = self._hash(group.engine_name, fused)
             group.pending.clear()
 

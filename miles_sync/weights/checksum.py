@@ -9,13 +9,15 @@ Engines that store weights in a transformed physical layout (AITER shuffle) repo
 the layout first, so engines with different layouts and the trainer all agree on one value per tensor.
 
 The `sglang_*` functions reproduce what SGLang's own weights checker answers instead: the engine's fused parameter
-names (`qkv_proj`, `gate_up_proj`), the physical bytes, each digest the first 8 bytes of SHA-256 over the raw bytes
-(no header), and SGLang's overall and per-engine digests. Predicting a real server's answer needs them.
+names (`qkv_proj`, `gate_up_proj`, the stacked MoE experts `experts.w13_weight` / `w2_weight`), the physical bytes,
+each digest the first 8 bytes of SHA-256 over the raw bytes (no header), and SGLang's overall and per-engine
+digests. Predicting a real server's answer needs them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -31,6 +33,7 @@ __all__ = [
     "logical_checksum",
     "role_checksums",
     "sglang_engine_checksum",
+    "sglang_fused_tensor",
     "sglang_overall_checksum",
     "sglang_parameter_names",
     "sglang_reported_name",
@@ -131,11 +134,24 @@ _SGLANG_FUSIONS = (
 _SGLANG_FUSED_LEAVES = ("weight", "bias")
 
 
-def sglang_parameter_names(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+# SGLang's FusedMoE stacks the experts of one MoE block: `w13_weight` [E, 2I, H] is, per expert, the gate (w1) rows
+# then the up (w3) rows; `w2_weight` [E, H, I] the down projections. Leaf -> (HF projections per expert, in order).
+_SGLANG_EXPERT_FUSIONS = (
+    ("w13_weight", ("gate_proj", "up_proj")),
+    ("w2_weight", ("down_proj",)),
+)
+_EXPERT_NAME = re.compile(r"^(?P<head>(?:.*\.)?mlp\.experts\.)(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def sglang_parameter_names(names: Iterable[str], *, num_experts: int | None = None) -> dict[str, tuple[str, ...]]:
     """{SGLang parameter name: the HF names it holds, concatenated along dim 0 in this order} for one runner.
 
     q/k/v of one attention become `<prefix>self_attn.qkv_proj.<leaf>`, gate/up become `<prefix>mlp.gate_up_proj.<leaf>`
-    (leaf `weight` or `bias`), only when every part is present; every other name maps to itself alone.
+    (leaf `weight` or `bias`), only when every part is present. The experts of one MoE block
+    (`<prefix>mlp.experts.<e>.{gate,up,down}_proj.weight`) become `<prefix>mlp.experts.w13_weight` (gate_0, up_0,
+    gate_1, up_1, ...) and `<prefix>mlp.experts.w2_weight` (down_0, down_1, ...), only when every expert's parts are
+    present: experts 0..num_experts-1, or, with `num_experts` None, 0..the highest index seen. Every other name
+    (a partial group included) maps to itself alone. `sglang_fused_tensor` builds the fused tensor from its parts.
     """
     remaining = set(names)
     result: dict[str, tuple[str, ...]] = {}
@@ -149,10 +165,43 @@ def sglang_parameter_names(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
                 members = tuple(f"{head}{part}.{leaf}" for part in parts)
                 if all(member in remaining for member in members):
                     result[f"{head}{fused}.{leaf}"] = members
+    result.update(_expert_fusions(remaining, num_experts=num_experts))
     fused_members = {member for members in result.values() for member in members}
     for name in remaining - fused_members:
         result[name] = (name,)
     return result
+
+
+def _expert_fusions(names: set[str], *, num_experts: int | None) -> dict[str, tuple[str, ...]]:
+    experts: dict[str, set[int]] = {}  # MoE block head -> expert indices seen
+    for name in names:
+        match = _EXPERT_NAME.match(name)
+        if match is not None:
+            experts.setdefault(match["head"], set()).add(int(match["expert"]))
+    result = {}
+    for head, seen in experts.items():
+        count = max(seen) + 1 if num_experts is None else num_experts
+        if seen - set(range(count)):  # an index past the model's experts: nothing of this block is fused
+            continue
+        for leaf, projections in _SGLANG_EXPERT_FUSIONS:
+            members = tuple(f"{head}{e}.{proj}.weight" for e in range(count) for proj in projections)
+            if all(member in names for member in members):
+                result[f"{head}{leaf}"] = members
+    return result
+
+
+def sglang_fused_tensor(engine_name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The engine parameter `engine_name` from its parts (full tensors or one rank's slices), in the order of
+    `sglang_parameter_names`: a lone part itself, else the parts concatenated along dim 0; stacked experts
+    (`w13_weight`, `w2_weight`) are viewed as [num_experts, rows per expert, columns], FusedMoE's shape, so a
+    layout applies per expert on the last two dims. Its bytes are the parts' bytes one after another."""
+    if len(parts) == 1:
+        return parts[0]
+    fused = torch.cat(list(parts), dim=0)
+    for leaf, projections in _SGLANG_EXPERT_FUSIONS:
+        if engine_name.endswith(f"experts.{leaf}"):
+            return fused.view(len(parts) // len(projections), -1, fused.shape[-1])
+    return fused
 
 
 def sglang_reported_name(role_name: str, name: str) -> str:

@@ -10,12 +10,17 @@ The rules are SGLang's parallel layers (`sglang/srt/layers/linear.py`, `vocab_pa
 - row-parallel (o_proj, down_proj): each rank keeps a block of input columns; a bias is kept whole.
 - vocab-parallel (embed_tokens, lm_head): the vocabulary is padded to a multiple of 64, then split in contiguous
   row blocks; padding rows are zero.
-- everything else (norms, the MTP head's enorm/hnorm/eh_proj) is replicated.
+- everything else (norms, the MTP head's enorm/hnorm/eh_proj, an MoE router `mlp.gate`) is replicated.
+- MoE experts (`mlp.experts.<e>.*`): modeled at tp_size 1 only; a model with experts at a larger TP size is refused
+  (`tp_problems`), so no expert is ever split here.
 
 Fusion: a rank's `self_attn.qkv_proj` is cat(q, k, v slices) along dim 0 and `mlp.gate_up_proj` cat(gate, up
-slices) (`miles_sync.weights.checksum.sglang_parameter_names`). Post-processing (a `WeightLayout`) then applies to
-each fused linear weight whose shape and dtype it covers. The checker hashes these physical rank tensors with
-SGLang's CPU `tensor_hash`, so `rank_engine_digests` predicts a faithful engine's answer from the HF tensors sent.
+slices) (`miles_sync.weights.checksum.sglang_parameter_names`); an MoE block's experts stack into FusedMoE's
+`experts.w13_weight` [E, 2I, H] (gate rows then up rows per expert) and `experts.w2_weight` [E, H, I].
+Post-processing (a `WeightLayout`) then applies to each fused linear weight whose shape and dtype it covers; on the
+3-D expert weights it applies per expert on the last two dims, as SGLang's AITER MoE path shuffles w13/w2 after
+loading (`UnquantizedFusedMoEMethod.process_weights_after_loading`). The checker hashes these physical rank tensors
+with SGLang's CPU `tensor_hash`, so `rank_engine_digests` predicts a faithful engine's answer from the HF tensors sent.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ from typing import Any
 
 import torch
 
-from miles_sync.weights.checksum import sglang_parameter_names, sglang_reported_name, sglang_tensor_hash
+from miles_sync.weights.checksum import (
+    sglang_fused_tensor,
+    sglang_parameter_names,
+    sglang_reported_name,
+    sglang_tensor_hash,
+)
 from miles_sync.weights.layout import WeightLayout, layout_spec
 
 __all__ = [
@@ -68,6 +78,8 @@ _MODULE_KINDS = (
 )
 # Engine parameters that are linear weights, the tensors a post-processing layout may transform.
 _LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "eh_proj", "lm_head")
+# FusedMoE's stacked expert weights (leaf names of `...mlp.experts`); the router `mlp.gate` is not among them.
+_EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +92,7 @@ class TPShape:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    num_experts: int = 0  # routed experts per MoE block (config `num_experts`); 0: a dense model
 
     @classmethod
     def from_config(cls, config: Any) -> TPShape:
@@ -95,6 +108,7 @@ class TPShape:
         head_dim = (config.get("head_dim") if isinstance(config, Mapping) else getattr(config, "head_dim", None)) or (
             hidden // heads
         )
+        num_experts = config.get("num_experts") if isinstance(config, Mapping) else getattr(config, "num_experts", None)
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
@@ -102,6 +116,7 @@ class TPShape:
             head_dim=int(head_dim),
             intermediate_size=get("intermediate_size"),
             vocab_size=get("vocab_size"),
+            num_experts=int(num_experts or 0),
         )
 
     @property
@@ -116,7 +131,8 @@ class TPShape:
 
 
 def tp_problems(shape: TPShape, tp_size: int) -> list[str]:
-    """What SGLang refuses at start-up for this shape at `tp_size`, each naming the dimension (empty: it runs)."""
+    """What SGLang refuses at start-up for this shape at `tp_size`, each naming the dimension (empty: it runs), and
+    what these rules do not model: MoE experts split across TP ranks."""
     if tp_size < 1:
         return [f"tp_size={tp_size} must be at least 1"]
     problems = []
@@ -130,6 +146,11 @@ def tp_problems(shape: TPShape, tp_size: int) -> list[str]:
         )
     if shape.intermediate_size % tp_size:
         problems.append(f"intermediate_size={shape.intermediate_size} is not divisible by tp_size={tp_size}")
+    if shape.num_experts and tp_size > 1:
+        problems.append(
+            f"num_experts={shape.num_experts}: splitting MoE experts across TP ranks is not modeled (an MoE model "
+            f"runs at tp_size=1 here, not tp_size={tp_size})"
+        )
     if shape.padded_vocab_size % tp_size:
         problems.append(
             f"vocab_size={shape.vocab_size} padded to {shape.padded_vocab_size} is not divisible by tp_size={tp_size}"
@@ -151,6 +172,8 @@ def shard_kind(hf_name: str) -> ShardKind:
 def is_linear_weight(engine_name: str) -> bool:
     """Whether `engine_name` (HF or fused) is the weight of a linear layer."""
     module, _, leaf = engine_name.rpartition(".")
+    if leaf in _EXPERT_WEIGHTS:
+        return module == "experts" or module.endswith(".experts")
     return leaf == "weight" and module.rsplit(".", 1)[-1] in _LINEAR_MODULES
 
 
@@ -199,9 +222,10 @@ def rank_engine_tensors(
     """{engine parameter name: the physical tensor rank `tp_rank` stores} for one runner's full HF tensors."""
     spec = layout_spec(layout)
     result = {}
-    for engine_name, parts in sglang_parameter_names(hf_tensors).items():
+    num_experts = shape.num_experts or None
+    for engine_name, parts in sglang_parameter_names(hf_tensors, num_experts=num_experts).items():
         shards = [shard_tensor(p, hf_tensors[p], shape=shape, tp_rank=tp_rank, tp_size=tp_size) for p in parts]
-        tensor = shards[0].contiguous() if len(shards) == 1 else torch.cat(shards, dim=0)
+        tensor = sglang_fused_tensor(engine_name, shards).contiguous()
         if is_linear_weight(engine_name) and spec.applies_to(tuple(tensor.shape), tensor.dtype):
             tensor = spec.apply(tensor)
         result[engine_name] = tensor

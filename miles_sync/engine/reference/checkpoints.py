@@ -11,6 +11,11 @@ agrees with the target almost always while a corrupted one almost never does. Th
 jointly (LM loss + mtp_weight x MTP loss), as DeepSeek-V3 and Megatron train MTP.
 
 Same recipe and seed -> same bytes: all randomness comes from seeded generators and the thread count is fixed.
+
+Built-in architectures (`BUILT_IN_ARCHS`): "qwen3", the dense target and draft above (`CheckpointRecipe`), and
+"qwen3_moe", a tiny Qwen3-MoE target with one MTP layer (`MoeCheckpointRecipe`: 4 experts, top-2), trained the same
+way on the same language; it has no standalone draft. Each is cached in its own directory, named by its recipe
+digest (`cached_checkpoints(cache_dir, arch=...)`).
 """
 
 from __future__ import annotations
@@ -35,10 +40,14 @@ import torch.nn.functional as F
 from miles_sync.engine.reference.models import CausalLM, MTPHead, model_family
 
 __all__ = [
+    "BUILT_IN_ARCHS",
     "CheckpointRecipe",
     "LanguageRecipe",
     "ModelShape",
+    "MoeCheckpointRecipe",
+    "MoeShape",
     "build_checkpoints",
+    "build_moe_checkpoint",
     "cached_checkpoints",
     "next_token",
     "recipe_digest",
@@ -111,7 +120,51 @@ class CheckpointRecipe:
             raise ValueError("; ".join(problems))
 
 
-def recipe_digest(recipe: CheckpointRecipe) -> str:
+@dataclass(frozen=True, kw_only=True)
+class MoeShape:
+    hidden_size: int = 64
+    moe_intermediate_size: int = 64  # a multiple of 16 and 32: every expert weight takes the AITER shuffle
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    num_hidden_layers: int = 2  # divides by pp=2
+    num_attention_heads: int = 4  # heads and KV heads divide by trainer TP=2
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeCheckpointRecipe:
+    """Everything that determines the Qwen3-MoE checkpoint's bytes: a target with one MTP layer, no draft."""
+
+    seed: int = 0
+    language: LanguageRecipe = field(default_factory=LanguageRecipe)
+    target: MoeShape = field(default_factory=MoeShape)
+    dtype: str = "float32"
+    target_steps: int = 60
+    batch_size: int = 32
+    seq_len: int = 64
+    lr: float = 3e-3
+    mtp_weight: float = 0.3
+    log_every: int = 20
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name}={getattr(self, name)} must be positive"
+            for name in ("target_steps", "batch_size", "seq_len", "log_every")
+            if getattr(self, name) <= 0
+        ]
+        if self.seq_len < 3:
+            problems.append(f"seq_len={self.seq_len} must be at least 3 (the MTP head predicts two tokens ahead)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+# arch (HF model_type) -> its default recipe; `cached_checkpoints` builds these.
+_RECIPES: dict[str, type] = {"qwen3": CheckpointRecipe, "qwen3_moe": MoeCheckpointRecipe}
+BUILT_IN_ARCHS: tuple[str, ...] = tuple(_RECIPES)
+
+
+def recipe_digest(recipe: CheckpointRecipe | MoeCheckpointRecipe) -> str:
     """Short hash naming a cached build: the recipe, the format version and the library versions."""
     import transformers
 
@@ -164,12 +217,37 @@ def _qwen3_config(shape: ModelShape, *, recipe: CheckpointRecipe, num_mtp_layers
     )
 
 
+def _qwen3_moe_config(shape: MoeShape, *, recipe: MoeCheckpointRecipe):
+    config_class = model_family("qwen3_moe").config_class
+    return config_class(
+        vocab_size=recipe.language.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=2 * shape.moe_intermediate_size,  # dense MLP width; every layer here is sparse
+        moe_intermediate_size=shape.moe_intermediate_size,
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+        architectures=["Qwen3MoeForCausalLM"],
+        dtype=recipe.dtype,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _train_target(recipe: CheckpointRecipe, generator: torch.Generator) -> tuple[CausalLM, MTPHead, dict]:
-    config = _qwen3_config(recipe.target, recipe=recipe, num_mtp_layers=1)
+def _train_target(
+    recipe: CheckpointRecipe | MoeCheckpointRecipe, generator: torch.Generator, *, config
+) -> tuple[CausalLM, MTPHead, dict]:
     lm = CausalLM(config, seed=recipe.seed)
     mtp = MTPHead(config, seed=recipe.seed + 1)
     params = list(lm.parameters()) + list(mtp.parameters())
@@ -248,6 +326,21 @@ def _write_byte_tokenizer(out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(out))
 
 
+def build_moe_checkpoint(out: str | os.PathLike, recipe: MoeCheckpointRecipe | None = None) -> Path:
+    """Train and write `out/target`, the Qwen3-MoE target with its MTP layer; returns `out`. Deterministic as
+    `build_checkpoints`."""
+    recipe = MoeCheckpointRecipe() if recipe is None else recipe
+    out = Path(out)
+    started = time.monotonic()
+    generator = torch.Generator().manual_seed(recipe.seed)
+    lm, mtp, metrics = _train_target(recipe, generator, config=_qwen3_moe_config(recipe.target, recipe=recipe))
+    record = {"recipe": dataclasses.asdict(recipe), "digest": recipe_digest(recipe), "metrics": metrics}
+    tensors = {**lm.hf_parameters(), **mtp.hf_parameters()}
+    _write_checkpoint(out / "target", config=lm.config, tensors=tensors, record={**record, "role": "target"})
+    _log(f"wrote {out}/target in {time.monotonic() - started:.1f} s")
+    return out
+
+
 def build_checkpoints(out: str | os.PathLike, recipe: CheckpointRecipe | None = None) -> Path:
     """Train and write `out/target` (with its MTP layer) and `out/draft`; returns `out`.
 
@@ -257,7 +350,8 @@ def build_checkpoints(out: str | os.PathLike, recipe: CheckpointRecipe | None = 
     out = Path(out)
     started = time.monotonic()
     generator = torch.Generator().manual_seed(recipe.seed)
-    lm, mtp, target_metrics = _train_target(recipe, generator)
+    config = _qwen3_config(recipe.target, recipe=recipe, num_mtp_layers=1)
+    lm, mtp, target_metrics = _train_target(recipe, generator, config=config)
     draft, draft_metrics = _train_draft(recipe, generator)
     record = {
         "recipe": dataclasses.asdict(recipe),
@@ -276,11 +370,16 @@ def build_checkpoints(out: str | os.PathLike, recipe: CheckpointRecipe | None = 
 def cached_checkpoints(
     cache_dir: str | os.PathLike,
     *,
-    recipe: CheckpointRecipe | None = None,
+    arch: str = "qwen3",
+    recipe: CheckpointRecipe | MoeCheckpointRecipe | None = None,
     threads: int = 1,
     timeout_s: float = 900.0,
 ) -> Path:
-    """The checkpoints of `recipe` under `cache_dir/reference-<digest>`, built once by a subprocess.
+    """The checkpoints of `recipe` under `cache_dir/reference-<digest>` (`reference-<arch>-<digest>` for any arch
+    but qwen3), built once by a subprocess: `target/` and, for qwen3, `draft/`.
+
+    `arch` picks the built-in recipe when `recipe` is None ("qwen3" or "qwen3_moe"; ValueError listing them for any
+    other); a given recipe must be of that arch's recipe type.
 
     One thread by default: on a shared 2-core machine a second intra-op thread made the build several times
     slower, and the bytes were identical at 1 and 2 threads.
@@ -288,16 +387,25 @@ def cached_checkpoints(
     Concurrent callers (several test sessions) wait on a file lock instead of training twice; a build is moved
     into place only when complete, so a killed build never leaves a half-written directory behind.
     """
-    recipe = CheckpointRecipe() if recipe is None else recipe
+    recipe_class = _RECIPES.get(arch)
+    if recipe_class is None:
+        raise ValueError(f"no built-in reference checkpoint for arch {arch!r}; built-in: {', '.join(BUILT_IN_ARCHS)}")
+    recipe = recipe_class() if recipe is None else recipe
+    if not isinstance(recipe, recipe_class):
+        raise ValueError(f"arch {arch!r} takes a {recipe_class.__name__}, got a {type(recipe).__name__}")
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    final = cache_dir / f"reference-{recipe_digest(recipe)}"
-    if (final / "draft" / "recipe.json").is_file():
+    # The dense name (and its completion marker, the draft written last) predate the other archs: kept as they were.
+    final = cache_dir / (
+        f"reference-{recipe_digest(recipe)}" if arch == "qwen3" else f"reference-{arch}-{recipe_digest(recipe)}"
+    )
+    marker = final / ("draft" if arch == "qwen3" else "target") / "recipe.json"
+    if marker.is_file():
         return final
     with open(cache_dir / f"{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if (final / "draft" / "recipe.json").is_file():
+            if marker.is_file():
                 return final
             staging = Path(tempfile.mkdtemp(prefix=f"{final.name}.", dir=cache_dir))
             try:
@@ -314,6 +422,8 @@ def cached_checkpoints(
                         str(recipe_file),
                         "--threads",
                         str(threads),
+                        "--arch",
+                        arch,
                     ],
                     check=True,
                     timeout=timeout_s,
@@ -326,7 +436,11 @@ def cached_checkpoints(
     return final
 
 
-def _recipe_from_dict(data: dict) -> CheckpointRecipe:
+def _recipe_from_dict(data: dict, *, arch: str = "qwen3") -> CheckpointRecipe | MoeCheckpointRecipe:
+    if arch == "qwen3_moe":
+        return MoeCheckpointRecipe(
+            **{**data, "language": LanguageRecipe(**data["language"]), "target": MoeShape(**data["target"])}
+        )
     return CheckpointRecipe(
         **{
             **data,
@@ -343,15 +457,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the default recipe (default 0)")
     parser.add_argument("--recipe", default=None, help="JSON file with a full recipe (overrides --seed)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads; part of the determinism")
+    parser.add_argument("--arch", choices=BUILT_IN_ARCHS, default="qwen3", help="which built-in model to build")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads={args.threads} must be at least 1")
     torch.set_num_threads(args.threads)
     if args.recipe is not None:
-        recipe = _recipe_from_dict(json.loads(Path(args.recipe).read_text()))
+        recipe = _recipe_from_dict(json.loads(Path(args.recipe).read_text()), arch=args.arch)
     else:
-        recipe = CheckpointRecipe(seed=0 if args.seed is None else args.seed)
-    build_checkpoints(args.out, recipe)
+        recipe = _RECIPES[args.arch](seed=0 if args.seed is None else args.seed)
+    if args.arch == "qwen3_moe":
+        build_moe_checkpoint(args.out, recipe)
+    else:
+        build_checkpoints(args.out, recipe)
 
 
 if __name__ == "__main__":

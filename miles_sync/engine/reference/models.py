@@ -1,7 +1,12 @@
 """Model definitions the reference engine serves: small HF-architecture causal LMs and a DeepSeek-V3-style MTP head.
 
 HF parameter names are the loading contract. A causal LM is transformers' own `*ForCausalLM` built from a local
-config (Llama, Qwen2, Qwen3; no hub access), so its `named_parameters()` are exactly the checkpoint's names.
+config (Llama, Qwen2, Qwen3, Qwen3-MoE; no hub access), so its `named_parameters()` are exactly the checkpoint's names.
+
+MoE blocks (Qwen3-MoE's `mlp.experts.<e>.{gate,up,down}_proj`, router `mlp.gate`): `stack_expert_weights` repoints
+each expert's weights at two stacked buffers per block, SGLang's FusedMoE storage (`w13_weight` [E, 2I, H], gate
+rows then up rows per expert; `w2_weight` [E, H, I]). The expert modules keep their HF names and compute on views
+of those buffers, so a load by HF name writes the expert's slice and the forward is transformers' own.
 
 The MTP head lives in the TARGET checkpoint under layer index N = num_hidden_layers, named as a Megatron MTP
 exporter emits it:
@@ -19,6 +24,7 @@ It shares the target's `model.embed_tokens.weight` and `lm_head.weight`, which i
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import json
 import os
@@ -30,7 +36,9 @@ import torch
 from torch import nn
 
 __all__ = [
+    "MOE_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
+    "ExpertStorage",
     "CausalLM",
     "LMOutput",
     "MTPHead",
@@ -46,6 +54,7 @@ __all__ = [
     "num_mtp_layers",
     "read_config",
     "read_safetensors",
+    "stack_expert_weights",
 ]
 
 # model_type -> (transformers module, class-name stem); the stem names Config, ForCausalLM, DecoderLayer, ...
@@ -53,8 +62,10 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("transformers.models.llama.modeling_llama", "Llama"),
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe",)  # families with routed experts (served at TP=1 only)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +81,7 @@ class ModelFamily:
 
 
 def model_family(model_type: str) -> ModelFamily:
-    """Classes for `model_type` ("llama", "qwen2", "qwen3"), imported on first use."""
+    """Classes for `model_type` ("llama", "qwen2", "qwen3", "qwen3_moe"), imported on first use."""
     entry = _FAMILIES.get(model_type)
     if entry is None:
         raise ValueError(f"model_type {model_type!r} is not supported; expected one of {', '.join(_FAMILIES)}")
@@ -153,10 +164,52 @@ def load_tokenizer(path: str | os.PathLike) -> TextCodec | None:
 
 
 def linear_weight_names(module: nn.Module, *, prefix: str = "") -> Iterator[str]:
-    """Names of the weights of every nn.Linear under `module`: the tensors a layout transform may rewrite."""
+    """Names of the weights of every nn.Linear under `module`: the tensors a layout transform may rewrite. An MoE
+    router (`mlp.gate`) is left out: SGLang's AITER path shuffles only the expert weights of an MoE block."""
+    routers = {id(block.gate) for _, block in _moe_blocks(module)}
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.Linear):
+        if isinstance(sub, nn.Linear) and id(sub) not in routers:
             yield f"{prefix}{name}.weight" if name else f"{prefix}weight"
+
+
+def _moe_blocks(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, block) of every sparse MoE block under `module`: an `experts` ModuleList beside a `gate` router."""
+    for name, sub in module.named_modules():
+        if isinstance(getattr(sub, "experts", None), nn.ModuleList) and isinstance(
+            getattr(sub, "gate", None), nn.Linear
+        ):
+            yield name, sub
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertStorage:
+    """The stacked expert weights of one MoE block: `w13` [E, 2I, H] (expert e's gate rows [0, I), up rows [I, 2I))
+    and `w2` [E, H, I]; `prefix` is the block's experts' name prefix (`model.layers.0.mlp.experts.`)."""
+
+    prefix: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def stack_expert_weights(module: nn.Module) -> list[ExpertStorage]:
+    """Move the expert weights of every MoE block under `module` into stacked buffers (values kept) and make each
+    expert's gate/up/down weight a view of its slice; returns the buffers, in module order. Mutates `module`.
+
+    Call after any dtype or device move: `module.to` replaces parameter data and would break the views.
+    """
+    stacked = []
+    for name, block in _moe_blocks(module):
+        experts = list(block.experts)
+        with torch.no_grad():
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+            w2 = torch.stack([e.down_proj.weight for e in experts])
+        size = experts[0].gate_proj.weight.shape[0]
+        for index, expert in enumerate(experts):
+            expert.gate_proj.weight.data = w13[index, :size]
+            expert.up_proj.weight.data = w13[index, size:]
+            expert.down_proj.weight.data = w2[index]
+        stacked.append(ExpertStorage(prefix=f"{name}.experts." if name else "experts.", w13=w13, w2=w2))
+    return stacked
 
 
 def causal_mask(length: int, *, dtype: torch.dtype) -> torch.Tensor:
@@ -206,6 +259,10 @@ class CausalLM(nn.Module):
     def linear_weight_names(self) -> frozenset[str]:
         return frozenset(linear_weight_names(self.hf))
 
+    def stack_expert_weights(self) -> list[ExpertStorage]:
+        """`stack_expert_weights` over this model; prefixes are HF names."""
+        return stack_expert_weights(self.hf)
+
     def shared_modules(self) -> dict[str, nn.Module]:
         """The embedding and lm_head an MTP head shares with this model, as `MTPHead.forward` keyword arguments."""
         return {"embed_tokens": self.hf.model.embed_tokens, "lm_head": self.hf.lm_head}
@@ -252,6 +309,10 @@ class MTPHead(nn.Module):
 
     def linear_weight_names(self) -> frozenset[str]:
         return frozenset(self.hf_name(name) for name in linear_weight_names(self))
+
+    def stack_expert_weights(self) -> list[ExpertStorage]:
+        """`stack_expert_weights` over this head; prefixes are HF names (`model.layers.N.mlp.experts.`)."""
+        return [dataclasses.replace(s, prefix=self.hf_name(s.prefix)) for s in stack_expert_weights(self)]
 
     def forward(
         self, next_ids: torch.Tensor, hidden: torch.Tensor, *, embed_tokens: nn.Embedding, lm_head: nn.Linear

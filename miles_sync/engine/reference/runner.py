@@ -9,6 +9,10 @@ Storage model, mirroring an engine whose kernels read a physical layout:
 - The module's parameters are the compute view. For a shuffled weight the forward reads the layout's `undo` of
   the stored bytes, decoded once per `finalize`, as a kernel reading that layout would; for every other tensor the
   parameter IS the stored tensor, so a load is live immediately.
+- MoE experts are stored as SGLang's FusedMoE stores them: per block one `w13` [E, 2I, H] and one `w2` [E, H, I]
+  buffer (`models.stack_expert_weights`), each expert's HF-named tensor a view of its slice, so a load by HF name
+  writes the expert's slice. A shuffled expert weight keeps its own physical buffer like any other; shuffling each
+  expert's gate and up rows apart equals AITER's per-expert shuffle of w13 when the expert width is a multiple of 16.
 - `finalize(names)` is the post-load hook: it applies the layout to the named linear weights in place and rebuilds
   the compute view. It is not idempotent: finalizing bytes that were already shuffled corrupts the model with no
   error. That is the behaviour of the real hook; guarding against it is the engine's finalize policy, not the
@@ -27,7 +31,9 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from miles_sync.engine.reference.models import (
+    MOE_MODEL_TYPES,
     CausalLM,
+    ExpertStorage,
     MTPHead,
     mtp_prefix,
     num_mtp_layers,
@@ -74,6 +80,7 @@ class Runner:
         self.layout = WeightLayout(layout)
         self._layout_spec = layout_spec(self.layout)
         self.weights_lock = threading.RLock() if weights_lock is None else weights_lock
+        self._expert_stacks = tuple(model.stack_expert_weights())
         self._params = model.hf_parameters()
         self._linear_names = model.linear_weight_names()
         self._shuffled = frozenset(
@@ -110,6 +117,10 @@ class Runner:
     def shuffled_names(self) -> frozenset[str]:
         """Owned names stored in the runner's layout after finalize (empty with WeightLayout.NONE)."""
         return self._shuffled
+
+    def expert_stacks(self) -> tuple[ExpertStorage, ...]:
+        """The stacked expert buffers of every MoE block (empty for a dense model); live, read under the lock."""
+        return self._expert_stacks
 
     def expected(self, name: str) -> TensorMeta:
         stored = self._stored.get(name)
@@ -298,6 +309,11 @@ def load_runners(
         raise ValueError(
             f"draft_path={None if draft_path is None else str(draft_path)!r} with draft_kind {kind!r}: a draft "
             f"path is required for 'standalone' and not accepted otherwise"
+        )
+    if kind == "standalone" and read_config(model_path).model_type in MOE_MODEL_TYPES:
+        raise ValueError(
+            f"draft_kind 'standalone' with the {read_config(model_path).model_type} target {str(model_path)!r}: an "
+            f"MoE target is served with draft_kind 'mtp' (its checkpoint's MTP layer), 'ngram' or 'none'"
         )
     target = load_target_runner(model_path, layout=layout)
     if kind == "mtp":

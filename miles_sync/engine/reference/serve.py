@@ -158,7 +158,7 @@ def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
     draft_config = config if args.draft is None else read_config(args.draft)  # a standalone draft's own
     checked = [("the target", args.model, config)] + ([("the draft", args.draft, draft_config)] if args.draft else [])
     problems = [
-        f"{what} ({path}): {problem}"
+        f"{what} ({path}, model_type {model_config.model_type}): {problem}"
         for what, path, model_config in checked
         for problem in tp_problems(TPShape.from_config(model_config), args.tp_size)
     ]
