@@ -197,7 +197,11 @@ class TrainerConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
-    etp: int = 1  # expert tensor parallel; etp * ep must divide tp * dp
+    # Expert tensor parallel; etp * ep must divide tp * dp. Default 1, not megatron's "same as tp": the trainer
+    # always passes etp, so megatron's default never applies; whole experts per rank is what megatron recommends with
+    # ep (no TP collectives inside each expert) and lets ep reuse the tp ranks; and the trainer runs MoE at tp=1
+    # (megatron trains MoE under TP only with sequence parallelism), where the two defaults agree.
+    etp: int = 1
     lr: float = 1e-4
 
     @property

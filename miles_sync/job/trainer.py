@@ -62,13 +62,16 @@ class TrainStepResult:
 
 
 class TrainerWorker:
-    """One Megatron rank (PP=1, EP=1): process group, model, checkpoint, optimizer, and its ModelSource.
+    """One Megatron rank of any tp x pp x dp (x ep x etp) layout: process group, this rank's pipeline stage of the
+    model, checkpoint, optimizer, and its ModelSource.
 
     Lifecycle: construct on every rank (cheap), `host_store()` on rank 0, `setup(master_port=...)` on every rank at
     the same time, then `train_step` on every rank with the same batch, and syncs through `source`. `feeds`: the
     colocated feed plan of the placement (see ModelSource), None to feed every engine rank from the source.
     `conversion`: how every rank exports (raw converters or megatron-bridge; `sync.conversion`); setup refuses a
     model the mode cannot export (MTP layers or MoE in bridge mode) before building it.
+    `micro_batch_size`: sequences per microbatch of megatron-core's pipeline schedule; None takes one sequence per
+    microbatch with pipeline stages (so stages overlap) and a data-parallel rank's whole share without.
     """
 
     def __init__(
@@ -85,15 +88,16 @@ class TrainerWorker:
         backend: str | None = None,
         feeds: FeedPlan | None = None,
         conversion: ConversionMode | str = ConversionMode.RAW,
+        micro_batch_size: int | None = None,
     ) -> None:
         problems = []
         if not 0 <= rank < trainer.world_size:
             problems.append(f"rank={rank} is outside [0, {trainer.world_size}) (tp*pp*dp)")
-        if trainer.pp != 1 or trainer.ep != 1:
-            problems.append(f"pp={trainer.pp}, ep={trainer.ep}: TrainerWorker trains with pp=1 and ep=1 only")
         problems += selector_input_problems(speculative_algorithm=None, num_trained_mtp_layers=num_trained_mtp_layers)
         if num_threads is not None and num_threads < 1:
             problems.append(f"num_threads={num_threads} must be at least 1 (or None)")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            problems.append(f"micro_batch_size={micro_batch_size} must be at least 1 (or None)")
         if not timeout_s > 0:
             problems.append(f"timeout_s={timeout_s} must be positive")
         if backend not in (None, "gloo", "nccl"):
@@ -115,6 +119,7 @@ class TrainerWorker:
         self._attachment = attachment
         self._backend = backend
         self._feeds = feeds
+        self._micro_batch_size = micro_batch_size
         self._device = torch.device("cpu")
         self._store: Any = None
         self._model: Any = None
@@ -127,6 +132,13 @@ class TrainerWorker:
         if self._source is None:
             raise RuntimeError(f"trainer rank {self._rank}: setup() has not run")
         return self._source
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's stage of the megatron-core model (read it; `train_step` is what changes it)."""
+        if self._model is None:
+            raise RuntimeError(f"trainer rank {self._rank}: setup() has not run")
+        return self._model
 
     def host_store(self, *, host: str = "127.0.0.1") -> int:
         """Rank 0: start the trainer group's rendezvous store on `host` at a port the OS picks; returns the port."""
@@ -180,11 +192,22 @@ class TrainerWorker:
         dist.init_process_group(
             backend, store=store, rank=self._rank, world_size=self._config.world_size, timeout=timeout
         )
-        ps.initialize_model_parallel(self._config.tp, self._config.pp)
+        layout = self._config
+        ps.initialize_model_parallel(
+            layout.tp, layout.pp, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp
+        )
         hf_config = transformers.AutoConfig.from_pretrained(self._checkpoint_dir)
         problems = SyncConfig(conversion=self._conversion).checkpoint_problems(
             hf_config.to_dict(), num_trained_mtp_layers=self._num_mtp_layers
         )
+        problems += layout.checkpoint_problems(hf_config.to_dict())
+        if layout.tp > 1 and getattr(hf_config, "num_experts", None):
+            # megatron-core's MoELayer raises in training under attention TP without sequence parallelism (the
+            # tokens it gathers over TP x EP would be counted tp times), and the local spec's norms refuse SP.
+            problems.append(
+                f"tp={layout.tp} with an MoE model: megatron-core trains MoE layers under tensor parallelism only "
+                "with sequence parallelism, which this trainer does not enable; use tp=1 with ep and dp"
+            )
         if problems:
             raise ValueError(f"trainer rank {self._rank}, checkpoint {self._checkpoint_dir}: " + "; ".join(problems))
         torch.manual_seed(self._seed)
@@ -210,46 +233,55 @@ class TrainerWorker:
         return self._source.describe()
 
     def train_step(self, batch: TrainBatch) -> TrainStepResult:
-        """One REINFORCE step with Adam: minimize mean over completion tokens of advantage * NLL(token).
+        """One REINFORCE step with Adam: minimize sum over completion tokens of advantage * NLL(token), divided by
+        the batch's number of completion tokens.
 
-        Every rank calls it with the same batch; data-parallel replicas take their share of the sequences and
-        average gradients. Mutates the model's weights.
+        Every rank calls it with the same batch; data-parallel replicas take their share of the sequences, run it
+        through megatron-core's pipeline schedule and sum gradients, so every layout takes the same step as one
+        rank on the whole batch (up to float reduction order). Every rank returns the same result (computed on
+        the last pipeline stage). Mutates the model's weights.
         """
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
+
+        from miles_sync.megatron.schedule import batch_totals, forward_backward, reduce_gradients
 
         if self._model is None or self._optimizer is None:
             raise RuntimeError(f"trainer rank {self._rank}: train_step before setup()")
         start = time.perf_counter()
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        indices = list(range(dp_rank, len(batch.sequences), dp_size))
-        if not indices:
-            raise ValueError(f"batch of {len(batch.sequences)} sequences leaves data-parallel rank {dp_rank} empty")
-        tokens, loss_mask = _pad([batch.sequences[i] for i in indices], [batch.num_prompt_tokens[i] for i in indices])
-        tokens, loss_mask = tokens.to(self._device), loss_mask.to(self._device)
+        tokens, loss_mask = _pad(batch.sequences, batch.num_prompt_tokens)
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)
         baseline = rewards.mean() if batch.baseline is None else torch.tensor(batch.baseline)
-        advantages = (rewards - baseline)[indices].to(self._device)
-        self._model.train()
-        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        positions = torch.arange(inputs.shape[1], device=self._device).unsqueeze(0).expand_as(inputs)
-        # [batch, seq] per-token cross entropy, computed vocab-parallel across the TP ranks.
-        nll = self._model(inputs, positions, None, labels=labels)
         num_tokens = loss_mask.sum()
-        loss = (nll * loss_mask * advantages[:, None]).sum() / num_tokens
+        # Normalized by the whole batch's token count, so the data-parallel shares' gradients simply add up.
+        nll_weights = loss_mask / num_tokens
+        loss_weights = nll_weights * (rewards - baseline)[:, None]
+        # Every data-parallel rank runs the same rows x seq (the MoE allgather and p2p buffers need equal shapes);
+        # padding rows weigh nothing.
+        micro_batch_size = self._micro_batch_size
+        num_rows = -(-len(batch.sequences) // dp_size)
+        if micro_batch_size is None:
+            micro_batch_size = 1 if self._config.pp > 1 else num_rows
+        num_rows = -(-num_rows // micro_batch_size) * micro_batch_size
+        rows = torch.arange(dp_rank, len(batch.sequences), dp_size)
+        share = [_rows(t, rows, num_rows) for t in (tokens, nll_weights, loss_weights)]
+        share_tokens, share_nll_weights, share_loss_weights = (t.to(self._device) for t in share)
         self._optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if dp_size > 1:
-            for param in self._model.parameters():
-                if param.grad is not None:
-                    dist.all_reduce(param.grad, group=ps.get_data_parallel_group())
-                    param.grad.div_(dp_size)
+        local = forward_backward(
+            self._model,
+            input_ids=share_tokens[:, :-1].contiguous(),
+            labels=share_tokens[:, 1:].contiguous(),
+            loss_weights=share_loss_weights,
+            nll_weights=share_nll_weights,
+            micro_batch_size=micro_batch_size,
+        )
+        reduce_gradients(self._model)
         self._optimizer.step()
         self._num_steps += 1
-        mean_nll = float(((nll.detach() * loss_mask).sum() / num_tokens).item())
+        loss, mean_nll = batch_totals(local).tolist()
         return TrainStepResult(
             step=self._num_steps,
-            loss=float(loss.item()),
+            loss=loss,
             mean_token_nll=mean_nll,
             num_tokens=int(num_tokens.item()),
             seconds=time.perf_counter() - start,
@@ -278,6 +310,13 @@ def _config_dtype(hf_config: Any) -> torch.dtype:
     if dtype is None:
         return torch.float32
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+
+
+def _rows(tensor: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`tensor[rows]` followed by zero rows up to `num_rows`."""
+    out = tensor.new_zeros((num_rows, *tensor.shape[1:]))
+    out[: len(rows)] = tensor[rows]
+    return out
 
 
 def _pad(sequences: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

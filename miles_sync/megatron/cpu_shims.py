@@ -18,6 +18,18 @@ a forward or backward computes:
    first stage's embedding. The shim runs that method with `Tensor.cuda` as the identity, so the copy stays on
    CPU and the same all-reduce runs over gloo; outside that call `Tensor.cuda` is untouched.
 
+Training through megatron-core's pipeline schedules (`pipeline_parallel.schedules`, `p2p_communication`) needs two
+more; the collectives on that path (p2p send/recv, and all_gather_into_tensor / reduce_scatter_tensor in the MoE
+allgather dispatcher and its backward) are all implemented by gloo in torch 2.13, so none of them is shimmed:
+
+5. `P2PCommunicator._communicate` calls `torch.cuda.synchronize()` after batched p2p (`batch_p2p_sync`, on by
+   default) to guard against a NCCL race. Without CUDA there is no device work to wait for (the gloo requests are
+   already waited on); the shim makes it a no-op instead of raising "Torch not compiled with CUDA enabled".
+6. Every schedule (`forward_backward_no_pipelining`, `..._pipelining_without_interleaving`, `..._with_interleaving`)
+   creates its token counter with `torch.zeros([], dtype=torch.int, device="cuda")`. The shim gives
+   `schedules` a view of `torch` whose `zeros` creates `device="cuda"` tensors on CPU; every other name is torch's
+   own, and no other module sees the change.
+
 With CUDA present `apply_cpu_shims()` does nothing, so GPU runs use megatron-core untouched.
 
 One more fallback is not about CUDA but about Transformer Engine being absent: `moe_utils` binds
@@ -29,7 +41,9 @@ code path already expects for "TE unavailable" (plain torch.mm). It runs whereve
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -71,6 +85,22 @@ def _tensor_stays(self: torch.Tensor, *args: object, **kwargs: object) -> torch.
     return self
 
 
+def _synchronize_nothing(device: object = None) -> None:
+    return None
+
+
+class _TorchWithCpuCudaZeros(types.ModuleType):
+    """`torch` as megatron-core's `schedules` module sees it (shim 6): `zeros(..., device="cuda")` lands on CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        is_cuda = device is not None and torch.device(device).type == "cuda"
+        return torch.zeros(*size, device="cpu" if is_cuda else device, **kwargs)
+
+
 def apply_cpu_shims() -> bool:
     """Install the shims if CUDA is unavailable. Idempotent; returns whether the shims are active.
 
@@ -86,6 +116,7 @@ def apply_cpu_shims() -> bool:
         return True
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
 
@@ -95,6 +126,8 @@ def apply_cpu_shims() -> bool:
         module.get_default_causal_mask = _default_causal_mask_cpu
         module.get_sliding_window_causal_mask = _sliding_window_causal_mask_cpu
     LanguageModule.setup_embeddings_and_output_layer = _keep_on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+    torch.cuda.synchronize = _synchronize_nothing
+    schedules.torch = _TorchWithCpuCudaZeros("torch")
     _is_applied = True
     return True
 
