@@ -8,7 +8,11 @@ Megatron model its own way. miles_sync needs two things from it:
    `controller.sync.remote()` after each optimizer step; it returns the SyncReport (raises SyncError on failure).
 
     python examples/embed_in_pipeline.py --checkpoint DIR/target --engine-url http://127.0.0.1:PORT [...]
-        [--address RAY_ADDRESS] [--steps N] [--tp 2]
+        [--address RAY_ADDRESS] [--steps N] [--tp 2] [--pp 2]
+
+With `--pp 2` the pipeline has two stages (tp x pp ranks, stage-major as megatron-core numbers them): every rank
+still makes the one `attach_model` call with its own stage's model, and the same one controller finds each
+stage's source rank and syncs both stages, each through an update group of its own (miles_sync.sync.pipeline).
 
 Without --engine-url it starts two CPU reference engines on loopback itself (the same servers a GPU cluster
 would run as SGLang). The checkpoint is the one the engines serve, so trainer and engines start identical.
@@ -37,10 +41,10 @@ TIMEOUT_S = 300.0
 
 
 class PipelineTrainer:
-    """The pipeline's own trainer rank (not a miles_sync class): gloo group, megatron-core TP, a language-model
-    step with SGD. The only miles_sync line is `attach_model`."""
+    """The pipeline's own trainer rank (not a miles_sync class): gloo group, megatron-core TP x PP, a language-model
+    step with SGD through megatron-core's pipeline schedule. The only miles_sync line is `attach_model`."""
 
-    def __init__(self, *, rank: int, world_size: int, tp: int, port: int, checkpoint: str) -> None:
+    def __init__(self, *, rank: int, world_size: int, tp: int, pp: int, port: int, checkpoint: str) -> None:
         import torch.distributed as dist
         import transformers
         from megatron.core import parallel_state
@@ -52,22 +56,43 @@ class PipelineTrainer:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        parallel_state.initialize_model_parallel(tp)
+        parallel_state.initialize_model_parallel(tp, pp)
         hf_config = transformers.AutoConfig.from_pretrained(checkpoint)
         self.model = build_gpt_model(hf_config, mtp_num_layers=0)
         load_hf_checkpoint(self.model, checkpoint, converter=create_converter(hf_config.model_type, hf_config))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         attach_model(self.model, hf_config=hf_config)  # <- the one call, on every rank
 
-    def train_step(self, tokens: list[list[int]]) -> float:
+    def train_step(self, tokens: list[list[int]]) -> float | None:
+        """One step on every rank; returns the loss on the last pipeline stage (None on the others)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
         batch = torch.tensor(tokens)
         inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         positions = torch.arange(inputs.shape[1]).expand_as(inputs)
-        loss = self.model(inputs, positions, None, labels=labels).mean()
+
+        def forward_step(data_iterator, model):
+            ids, targets = next(data_iterator)
+            output = model(ids, positions, None, labels=targets)  # per-token NLL on the last stage
+
+            def loss_func(nll: torch.Tensor):
+                loss = nll.float().mean()
+                return loss, {"loss": loss.detach()}
+
+            return output, loss_func
+
         self.optimizer.zero_grad()
-        loss.backward()
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([(inputs, labels)]),
+            model=self.model,
+            num_microbatches=1,
+            seq_length=inputs.shape[1],
+            micro_batch_size=inputs.shape[0],
+            forward_only=False,
+        )
         self.optimizer.step()
-        return loss.item()
+        return losses[0]["loss"].item() if losses else None
 
 
 def language_batch(step: int, *, size: int = 4, length: int = 24) -> list[list[int]]:
@@ -81,7 +106,7 @@ def language_batch(step: int, *, size: int = 4, length: int = 24) -> list[list[i
     return batch
 
 
-def run(*, checkpoint: str, engine_urls: list[str], num_steps: int, tp: int) -> list:
+def run(*, checkpoint: str, engine_urls: list[str], num_steps: int, tp: int, pp: int = 1) -> list:
     """Start the pipeline's trainers, sync after every step; returns the reports. Ray must be initialized."""
     # The pipeline's own rendezvous: a store on loopback, port from the OS (its choice, not miles_sync's).
     listener = socket.socket()
@@ -100,8 +125,10 @@ def run(*, checkpoint: str, engine_urls: list[str], num_steps: int, tp: int) -> 
     trainer_class = ray.remote(PipelineTrainer).options(
         num_cpus=0.01, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}
     )
+    world_size = tp * pp
     trainers = [
-        trainer_class.remote(rank=rank, world_size=tp, tp=tp, port=port, checkpoint=checkpoint) for rank in range(tp)
+        trainer_class.remote(rank=rank, world_size=world_size, tp=tp, pp=pp, port=port, checkpoint=checkpoint)
+        for rank in range(world_size)
     ]
     controller = None
     try:
@@ -117,7 +144,7 @@ def run(*, checkpoint: str, engine_urls: list[str], num_steps: int, tp: int) -> 
         for step in range(num_steps):
             losses = ray.get([t.train_step.remote(language_batch(step)) for t in trainers], timeout=TIMEOUT_S)
             report = ray.get(controller.sync.remote(), timeout=TIMEOUT_S)
-            print(f"step {step}: loss {losses[0]:.4f}; {report.summary()}", flush=True)
+            print(f"step {step}: loss {losses[-1]:.4f}; {report.summary()}", flush=True)
             reports.append(report)
         return reports
     finally:
@@ -136,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (each gets its own update group)")
     args = parser.parse_args(argv)
     with ExitStack() as stack:
         if args.address is None:
@@ -152,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 launcher = EngineLauncher(spec=spec, log_dir=log_dir)
                 urls.append(launcher.start())
                 stack.callback(launcher.stop)
-        reports = run(checkpoint=args.checkpoint, engine_urls=urls, num_steps=args.steps, tp=args.tp)
+        reports = run(checkpoint=args.checkpoint, engine_urls=urls, num_steps=args.steps, tp=args.tp, pp=args.pp)
     return 0 if all(r.committed for r in reports) else 1
 
 

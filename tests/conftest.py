@@ -46,3 +46,13 @@ def reference_checkpoints() -> Path:
     from miles_sync.env import read_environment
 
     return cached_checkpoints(read_environment().cache_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_moe_checkpoint() -> Path:
+    """The built-in pre-trained Qwen3-MoE reference checkpoint's `target/` (with its MTP layer), cached like the
+    dense ones."""
+    from miles_sync.engine.reference.checkpoints import cached_checkpoints
+    from miles_sync.env import read_environment
+
+    return cached_checkpoints(read_environment().cache_dir, arch="qwen3_moe") / "target"

@@ -18,13 +18,12 @@ import torch
 from reference_server import reference_server
 from safetensors.torch import load_file
 
-from miles_sync.engine.reference.checkpoints import LanguageRecipe, cached_checkpoints, next_token
+from miles_sync.engine.reference.checkpoints import LanguageRecipe, next_token
 from miles_sync.engine.reference.engine import ReferenceEngine
 from miles_sync.engine.reference.models import model_family, read_config
 from miles_sync.engine.reference.runner import load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.settings import FinalizePolicy
-from miles_sync.env import read_environment
 from miles_sync.sync.engine_digests import EngineDigester, EngineDigestPlan, EngineLayout
 from miles_sync.transport.group import create_update_group, start_store_server
 from miles_sync.weights.engine_layout import TPShape, rank_engine_digests
@@ -51,8 +50,8 @@ W13 = "model.layers.0.mlp.experts.w13_weight"
 
 
 @pytest.fixture(scope="session")
-def moe_target() -> Path:
-    return cached_checkpoints(read_environment().cache_dir, arch="qwen3_moe") / "target"
+def moe_target(reference_moe_checkpoint) -> Path:
+    return reference_moe_checkpoint
 
 
 @pytest.fixture(autouse=True)

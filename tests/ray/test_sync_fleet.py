@@ -235,7 +235,7 @@ def test_engine_without_session_endpoints_is_refused_at_connect(fleet):
     assert "/begin_weight_update" in message and "/end_weight_update" in message
 
 
-def test_embedding_example_syncs_a_pipelines_own_trainers(fleet, reference_checkpoints):
+def test_embedding_example_syncs_a_two_stage_pipelines_own_trainers(fleet, reference_checkpoints):
     urls = current_urls(fleet.engines.actors)
     before = {target_checksum(u) for u in urls}
     command = [
@@ -248,7 +248,9 @@ def test_embedding_example_syncs_a_pipelines_own_trainers(fleet, reference_check
         "--steps",
         "2",
         "--tp",
-        "2",
+        "1",
+        "--pp",
+        "2",  # two stages: each stage's source rank syncs through an update group of its own
         *(arg for url in urls for arg in ("--engine-url", url)),
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RAY_TIMEOUT_S)
