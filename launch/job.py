@@ -30,7 +30,7 @@ from actors.placement import PlacedGroups, create_placement_groups
 from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
 from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
 from launch.cluster import connect_ray
-from miles_sync.config import MilesSyncConfig
+from miles_sync.config import MilesSyncConfig, TrainerConfig
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.kinds import engine_spec
 from miles_sync.engine.reference.checkpoints import BUILT_IN_ARCHS, cached_checkpoints
@@ -150,7 +150,7 @@ def start_job_actors(
         else:
             log(
                 f"starting {config.engines.count} {config.engines.kind.value} engine(s) (TP={config.engines.tp}) "
-                f"and {config.trainer.world_size} trainer rank(s) (TP={config.trainer.tp})"
+                f"and {config.trainer.world_size} trainer rank(s) ({_layout(config.trainer)})"
             )
         # Engines and trainer ranks start at once: each side spends most of its start-up importing.
         with _Background(_start_engines, config, checkpoint, placed, engine_log_dir) as engine_start:
@@ -179,9 +179,11 @@ def start_job_actors(
             timeout_s=_START_TIMEOUT_S,
         )
         stack.callback(_close_controller, controller)
+        sources = [info for info in trainers.ranks if info.is_source]  # one per pipeline stage
         log(
             f"fleet ready: {len(urls)} engine(s), {len(trainers.actors)} trainer rank(s), "
-            f"{trainers.ranks[0].num_exported_tensors} tensors per sync"
+            f"{sum(info.num_exported_tensors for info in sources)} tensors per sync"
+            + (f" from {len(sources)} pipeline stages (one update group each)" if len(sources) > 1 else "")
         )
         yield JobActors(urls=tuple(urls), engines=engines, trainers=trainers, controller=controller)
 
@@ -276,6 +278,12 @@ class _Fleet:
                     raise TimeoutError(f"the sync did not return within {self._sync_timeout_s} s")
         finally:
             bar.close()
+
+
+def _layout(trainer: TrainerConfig) -> str:
+    """The trainer layout in a log line: TP always, every other factor where it is not 1."""
+    factors = {"TP": trainer.tp, "PP": trainer.pp, "DP": trainer.dp, "EP": trainer.ep, "ETP": trainer.etp}
+    return ", ".join(f"{name}={value}" for name, value in factors.items() if name == "TP" or value != 1)
 
 
 def _checkpoint_dir(config: MilesSyncConfig, *, log: Callable[[str], None]) -> str:
