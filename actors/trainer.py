@@ -60,6 +60,7 @@ def create_trainers(
     num_threads: int | None = 1,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    collective_timeout_s: float | None = None,
     feeds: FeedPlan | None = None,
     max_concurrency: int = 1,
     conversion: ConversionMode | str = ConversionMode.RAW,
@@ -73,6 +74,8 @@ def create_trainers(
     engine rank from the export source. `max_concurrency`: calls a rank's actor runs at once; 1 suffices (bucket
     progress is pushed to the controller, nothing polls a rank), more lets a caller query a rank mid-send.
     `conversion`: how every rank exports its weights (`sync.conversion`: raw converters or megatron-bridge).
+    `timeout_s` bounds start-up and set-up; `collective_timeout_s` (None: `timeout_s`) every rank's collectives
+    after set-up (training steps and syncs; `sync.collective_timeout_s`), so a rank whose peer died fails sooner.
     """
     if env_vars is None:
         env_vars = {"GLOO_SOCKET_IFNAME": "lo"} if master_address in ("127.0.0.1", "localhost") else {}
@@ -92,6 +95,7 @@ def create_trainers(
                 seed=seed,
                 num_threads=num_threads,
                 timeout_s=timeout_s,
+                collective_timeout_s=collective_timeout_s,
                 backend=backend,
                 feeds=feeds,
                 conversion=conversion,

@@ -199,8 +199,8 @@ class TrainerConfig:
     ep: int = 1
     # Expert tensor parallel; etp * ep must divide tp * dp. Default 1, not megatron's "same as tp": the trainer
     # always passes etp, so megatron's default never applies; whole experts per rank is what megatron recommends with
-    # ep (no TP collectives inside each expert) and lets ep reuse the tp ranks; and the trainer runs MoE at tp=1
-    # (megatron trains MoE under TP only with sequence parallelism), where the two defaults agree.
+    # ep (no TP collectives inside each expert) and lets ep reuse the tp ranks (the main job's MoE run,
+    # `model.arch=qwen3_moe trainer.ep=2`, is tp=2 x ep=2 with whole experts per rank, sequence parallel).
     etp: int = 1
     lr: float = 1e-4
 

@@ -72,6 +72,11 @@ class TrainerWorker:
     model the mode cannot export (MTP layers or MoE in bridge mode) before building it.
     `micro_batch_size`: sequences per microbatch of megatron-core's pipeline schedule; None takes one sequence per
     microbatch with pipeline stages (so stages overlap) and a data-parallel rank's whole share without.
+    `timeout_s` bounds set-up (the store, joining the group); `collective_timeout_s` (None: `timeout_s`) bounds every
+    collective after it, megatron's model-parallel groups in `train_step` and the source's in a sync, so a rank whose
+    peer died fails after that long instead of the start-up timeout.
+    MoE models under tensor parallelism train with sequence parallelism (megatron-core's only way), so `train_step`
+    pads each batch's sequence length to a multiple of tp with positions that weigh nothing.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class TrainerWorker:
         seed: int = 0,
         num_threads: int | None = 1,
         timeout_s: float = 120.0,
+        collective_timeout_s: float | None = None,
         attachment: str = "default",
         backend: str | None = None,
         feeds: FeedPlan | None = None,
@@ -100,6 +106,8 @@ class TrainerWorker:
             problems.append(f"micro_batch_size={micro_batch_size} must be at least 1 (or None)")
         if not timeout_s > 0:
             problems.append(f"timeout_s={timeout_s} must be positive")
+        if collective_timeout_s is not None and not collective_timeout_s > 0:
+            problems.append(f"collective_timeout_s={collective_timeout_s} must be positive (or None)")
         if backend not in (None, "gloo", "nccl"):
             problems.append(f"backend={backend!r} must be 'gloo', 'nccl' or None (nccl where CUDA is available)")
         try:
@@ -116,6 +124,7 @@ class TrainerWorker:
         self._seed = seed
         self._num_threads = num_threads
         self._timeout_s = timeout_s
+        self._collective_timeout_s = timeout_s if collective_timeout_s is None else collective_timeout_s
         self._attachment = attachment
         self._backend = backend
         self._feeds = feeds
@@ -193,21 +202,20 @@ class TrainerWorker:
             backend, store=store, rank=self._rank, world_size=self._config.world_size, timeout=timeout
         )
         layout = self._config
+        # The default group's timeout stays the set-up one (its rendezvous waits for every rank to arrive); the
+        # model-parallel groups, which carry all of train_step's collectives, get the collective timeout.
         ps.initialize_model_parallel(
-            layout.tp, layout.pp, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp
+            layout.tp,
+            layout.pp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            distributed_timeout_minutes=self._collective_timeout_s / 60,
         )
         hf_config = transformers.AutoConfig.from_pretrained(self._checkpoint_dir)
         problems = SyncConfig(conversion=self._conversion).checkpoint_problems(
             hf_config.to_dict(), num_trained_mtp_layers=self._num_mtp_layers
         )
         problems += layout.checkpoint_problems(hf_config.to_dict())
-        if layout.tp > 1 and getattr(hf_config, "num_experts", None):
-            # megatron-core's MoELayer raises in training under attention TP without sequence parallelism (the
-            # tokens it gathers over TP x EP would be counted tp times), and the local spec's norms refuse SP.
-            problems.append(
-                f"tp={layout.tp} with an MoE model: megatron-core trains MoE layers under tensor parallelism only "
-                "with sequence parallelism, which this trainer does not enable; use tp=1 with ep and dp"
-            )
         if problems:
             raise ValueError(f"trainer rank {self._rank}, checkpoint {self._checkpoint_dir}: " + "; ".join(problems))
         torch.manual_seed(self._seed)
@@ -227,7 +235,7 @@ class TrainerWorker:
             hf_config=hf_config,
             conversion=self._conversion,
             name=self._attachment,
-            collective_timeout_s=self._timeout_s,
+            collective_timeout_s=self._collective_timeout_s,
             feeds=self._feeds,
         )
         return self._source.describe()
@@ -249,7 +257,9 @@ class TrainerWorker:
             raise RuntimeError(f"trainer rank {self._rank}: train_step before setup()")
         start = time.perf_counter()
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        tokens, loss_mask = _pad(batch.sequences, batch.num_prompt_tokens)
+        # Sequence parallelism splits every sequence over the TP ranks, so its length must divide by tp.
+        seq_multiple = ps.get_tensor_model_parallel_world_size() if self._model.config.sequence_parallel else 1
+        tokens, loss_mask = _pad(batch.sequences, batch.num_prompt_tokens, seq_multiple=seq_multiple)
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)
         baseline = rewards.mean() if batch.baseline is None else torch.tensor(batch.baseline)
         num_tokens = loss_mask.sum()
@@ -319,10 +329,14 @@ def _rows(tensor: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tens
     return out
 
 
-def _pad(sequences: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [batch, max_len] tokens, and the [batch, max_len - 1] mask of label positions that are
-    completion tokens (padding never counts; causal attention keeps it from affecting earlier positions)."""
-    length = max(len(s) for s in sequences)
+def _pad(
+    sequences: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int], *, seq_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [batch, length] tokens, and the [batch, length - 1] mask of label positions that are completion
+    tokens (padding never counts; causal attention keeps it from affecting earlier positions, and MoE routing drops
+    no token, so padded tokens never displace real ones). length - 1 is the smallest multiple of `seq_multiple`
+    that holds the longest sequence's labels."""
+    length = -(-(max(len(s) for s in sequences) - 1) // seq_multiple) * seq_multiple + 1
     tokens = torch.zeros(len(sequences), length, dtype=torch.long)
     mask = torch.zeros(len(sequences), length - 1, dtype=torch.float32)
     for i, (sequence, num_prompt) in enumerate(zip(sequences, num_prompt_tokens)):

@@ -20,7 +20,9 @@ a forward or backward computes:
 
 Training through megatron-core's pipeline schedules (`pipeline_parallel.schedules`, `p2p_communication`) needs two
 more; the collectives on that path (p2p send/recv, and all_gather_into_tensor / reduce_scatter_tensor in the MoE
-allgather dispatcher and its backward) are all implemented by gloo in torch 2.13, so none of them is shimmed:
+allgather dispatcher, in the sequence-parallel linears and embedding, and in their backward) are all implemented by
+gloo in torch 2.13, so none of them is shimmed. (Sequence parallelism needs no shim either: the local spec's torch
+norm that refuses it is swapped in the model's spec, `model_builder.SequenceParallelTorchNorm`.)
 
 5. `P2PCommunicator._communicate` calls `torch.cuda.synchronize()` after batched p2p (`batch_p2p_sync`, on by
    default) to guard against a NCCL race. Without CUDA there is no device work to wait for (the gloo requests are

@@ -4,10 +4,17 @@ The trainer builds its model here, so export and import always meet the architec
 Needs torch.distributed and megatron-core model parallelism initialized. Layer spec: Transformer Engine when TE
 and CUDA are present, else megatron-core's local spec (CPU shims applied). Sizes are the HF config's; everything
 that is a training choice rather than an architecture fact can be overridden with `overrides`.
+
+Sequence parallelism is on exactly for MoE models under tensor parallelism: megatron-core trains MoE layers under
+TP only with it. The local spec's norm (`WrappedTorchNorm`, used wherever TE and apex are absent, GPU included)
+refuses it, so a spec built without TE swaps it for `SequenceParallelTorchNorm`, the same torch norm without the
+refusal. A swap in the spec rather than a shim in `cpu_shims`: it is a choice of module for this model, not a
+CUDA reach, and nothing process-global changes (dense models still get megatron's own class).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +46,7 @@ def transformer_config_from_hf(
     """The megatron-core TransformerConfig of `hf_config` under the current model-parallel sizes.
 
     Raises ValueError naming every HF setting the raw families cannot reproduce (model type, activation,
-    biases, sliding window, rope scaling).
+    biases, sliding window, rope scaling). Sequence parallelism is on for MoE models under TP, off otherwise.
     """
     _check_supported(hf_config)  # before importing megatron-core: a wrong config fails fast
     from megatron.core import parallel_state as ps
@@ -77,9 +84,8 @@ def transformer_config_from_hf(
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ep_size,
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-        # Off by default: the local spec's torch norms refuse it. megatron-core recommends it for TP x EP training
-        # (a warning, not an error); trainers on the TE spec turn it on through `overrides`.
-        sequence_parallel=False,
+        # MoE under TP: MoELayer refuses to train without it. Dense models keep it off, so nothing changes for them.
+        sequence_parallel=model_type == "qwen3_moe" and tp_size > 1,
         mtp_num_layers=_mtp_layers(hf_config, mtp_num_layers),
     )
     if model_type == "qwen3_moe":
@@ -102,7 +108,8 @@ def build_gpt_model(
     """This rank's pipeline stage of the model `hf_config` describes, randomly initialized (megatron's init).
 
     `mtp_num_layers` None takes the HF config's `num_nextn_predict_layers` (0 when absent). The vocabulary is padded
-    to `padded_vocab_size(...)`; exporters trim it back.
+    to `padded_vocab_size(...)`; exporters trim it back. Under sequence parallelism (MoE with tp > 1) every forward
+    needs a sequence length divisible by tp.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -119,6 +126,14 @@ def build_gpt_model(
     mtp_spec = None
     if config.mtp_num_layers:
         mtp_spec = specs.get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+    if config.sequence_parallel and not use_te:
+        # Only megatron's torch-norm fallback refuses SP; apex's FusedLayerNorm, the local norm where apex is
+        # installed, accepts it and stays.
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        block_spec, mtp_spec = (
+            _swap_module(s, WrappedTorchNorm, SequenceParallelTorchNorm) for s in (block_spec, mtp_spec)
+        )
     rope_scaling = getattr(hf_config, "rope_scaling", None)
     return GPTModel(
         config=config,
@@ -139,6 +154,57 @@ def build_gpt_model(
         mtp_block_spec=mtp_spec,
         vp_stage=vp_stage,
     )
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core's `WrappedTorchNorm` (a plain torch LayerNorm / RMSNorm) for a sequence-parallel model.
+
+    The torch norm normalizes each token over the hidden size, so it computes the same on a sequence shard as on
+    the whole sequence; `WrappedTorchNorm` merely asserts that SP is off. Its weight (and bias) are marked
+    `sequence_parallel` as TE's and apex's norms mark them: each TP rank sees only its shard's tokens, so their
+    gradients must be summed over the TP group (`schedule.reduce_gradients`, megatron's `finalize_model_grads`).
+    """
+
+    def __new__(
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
+        # Same refusals as WrappedTorchNorm, bar sequence parallelism; the norm kind is the config's, as there.
+        unsupported = [
+            name
+            for name in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm")
+            if getattr(config, name)
+        ]
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if unsupported or config.normalization not in kinds:
+            raise ValueError(
+                f"SequenceParallelTorchNorm: normalization={config.normalization!r} must be LayerNorm or RMSNorm, "
+                f"and these torch norms support none of {unsupported}"
+            )
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _swap_module(spec: Any, old: type, new: type) -> Any:
+    """A copy of the spec tree `spec` (ModuleSpec, submodule dataclasses, lists) with the module class `old` replaced
+    by `new` everywhere; the input is untouched (megatron-core shares one layer spec between layers)."""
+    if spec is old:
+        return new
+    if isinstance(spec, list | tuple):
+        return type(spec)(_swap_module(s, old, new) for s in spec)
+    if isinstance(spec, dict):
+        return {k: _swap_module(v, old, new) for k, v in spec.items()}
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _swap_module(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec) if f.init}
+        return dataclasses.replace(spec, **changes)
+    return spec
 
 
 def _mtp_layers(hf_config: Any, requested: int | None) -> int | None:

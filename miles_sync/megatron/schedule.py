@@ -80,9 +80,10 @@ def forward_backward(
 def reduce_gradients(model: torch.nn.Module) -> None:
     """Sum this rank's gradients with the ranks that hold the same parameters, as megatron-core does for a
     summed loss: dense parameters over the data-parallel group, routed-expert parameters over the
-    expert-data-parallel group, q/k layernorm weights over tensor parallelism (each TP rank normalizes only its own
-    heads; `finalize_model_grads` sums them the same way) and the word embedding copies over the embedding group
-    (first and last stage) when the model shares them across stages.
+    expert-data-parallel group, over tensor parallelism the q/k layernorm weights (each TP rank normalizes only its
+    own heads) and, under sequence parallelism, the parameters marked `sequence_parallel` (norms and the router: each
+    TP rank sees only its sequence shard), each once as `finalize_model_grads` does, and the word embedding copies
+    over the embedding group (first and last stage) when the model shares them across stages.
 
     Every rank of the model calls it after `forward_backward`. Mutates `param.grad`; a parameter the step did not
     reach gets a zero gradient, so every rank contributes the same buffers to each collective.
@@ -90,19 +91,20 @@ def reduce_gradients(model: torch.nn.Module) -> None:
     from megatron.core import parallel_state as ps
 
     config = model.config
-    dense, expert, per_head = [], [], []
+    dense, expert, tp_partial = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        if config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name):
-            per_head.append(param.grad)
+        is_per_head = config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+        if is_per_head or (config.sequence_parallel and getattr(param, "sequence_parallel", False)):
+            tp_partial.append(param.grad)
         # megatron's local linears mark routed experts `allreduce=False` only when ep > 1; with ep = 1 and etp != tp
         # the expert grid still differs from the dense one, so routed experts are also known by their module path.
         is_expert = not getattr(param, "allreduce", True) or ".mlp.experts." in name
         (expert if is_expert else dense).append(param.grad)
-    _all_reduce_sum(per_head, group=ps.get_tensor_model_parallel_group())
+    _all_reduce_sum(tp_partial, group=ps.get_tensor_model_parallel_group())
     _all_reduce_sum(dense, group=ps.get_data_parallel_group())
     _all_reduce_sum(expert, group=ps.get_expert_data_parallel_group())
     is_shared = model.share_embeddings_and_output_weights or bool(config.mtp_num_layers)

@@ -5,7 +5,9 @@ process): for each, the first `world_size` ranks build TrainerWorkers (rank 0 ho
 the others), take two REINFORCE steps on one fixed batch, and export their stage's full HF tensors (every rank,
 `source_rank_only=False`, so each data-parallel replica is checked, not only the source). The reference of each
 model is the same run on one rank. Models: the cached dense reference checkpoint (qwen3, 2 layers; its MTP layer is
-not trained) and a tiny random qwen3_moe checkpoint made here (2 MoE layers, 4 experts, top-2).
+not trained) and a tiny random qwen3_moe checkpoint made here (2 MoE layers, 4 experts, top-2). MoE layouts with
+tp > 1 train with sequence parallelism (and the batch's longest sequence, 12 tokens, has 11 labels, so they also
+pad the sequence to a multiple of tp).
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ SCENARIOS = (
     Scenario("moe_pp2_dp2_ep2", "moe", pp=2, dp=2, ep=2),
     Scenario("moe_dp4_ep2", "moe", dp=4, ep=2),  # expert data parallelism: 2 replicas of each expert
     Scenario("moe_dp2_etp2", "moe", dp=2, etp=2),  # expert tensor parallelism across the data-parallel ranks
+    # Sequence parallelism: the norms' and router's gradients summed over TP, the allgather dispatcher over TP x EP.
+    Scenario("moe_tp2_ep2", "moe", tp=2, ep=2),
+    Scenario("moe_tp2_pp2_ep2", "moe", tp=2, pp=2, ep=2),
 )
 
 
@@ -124,7 +129,7 @@ def _run(scenario: Scenario, *, rank: int, port_queue, checkpoint: str) -> dict:
         weights = {}
         for unit in iter_hf_units(worker.model, converter=converter, source_rank_only=False, timeout_s=TIMEOUT_S):
             weights.update({name: tensor.clone() for name, tensor in unit.named()})
-        return {"steps": steps, "weights": weights}
+        return {"steps": steps, "weights": weights, "sequence_parallel": worker.model.config.sequence_parallel}
     finally:
         worker.shutdown()
 
@@ -216,6 +221,14 @@ def test_training_moves_the_weights(layout_runs: dict[str, list[dict]]) -> None:
         assert steps[0].loss != steps[1].loss and steps[0].mean_token_nll != steps[1].mean_token_nll, name
 
 
+@pytest.mark.slow
+def test_sequence_parallelism_is_on_for_moe_under_tensor_parallelism_only(layout_runs: dict[str, list[dict]]) -> None:
+    # Dense models keep it off, so their layouts train exactly as before.
+    for scenario in SCENARIOS:
+        expected = scenario.model == "moe" and scenario.tp > 1
+        assert [r["sequence_parallel"] for r in layout_runs[scenario.name]] == [expected] * scenario.world_size
+
+
 def _same_numbers(a, b) -> bool:
     return all(x.loss == y.loss and x.mean_token_nll == y.mean_token_nll for x, y in zip(a, b, strict=True))
 
@@ -240,6 +253,8 @@ def test_trainer_worker_names_the_rank_and_micro_batch_factors() -> None:
     from miles_sync.job.trainer import TrainerWorker
 
     layout = TrainerConfig(tp=2, pp=2, dp=1, ep=2)
-    with pytest.raises(ValueError, match=r"rank=4 is outside \[0, 4\) \(tp\*pp\*dp\).*micro_batch_size=0"):
-        TrainerWorker(rank=4, trainer=layout, checkpoint_dir="unused", micro_batch_size=0)
+    with pytest.raises(
+        ValueError, match=r"rank=4 is outside \[0, 4\) \(tp\*pp\*dp\).*micro_batch_size=0.*collective_timeout_s=0"
+    ):
+        TrainerWorker(rank=4, trainer=layout, checkpoint_dir="unused", micro_batch_size=0, collective_timeout_s=0)
     TrainerWorker(rank=3, trainer=layout, checkpoint_dir="unused")  # pp and ep above 1 are accepted
