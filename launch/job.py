@@ -161,6 +161,7 @@ def start_job_actors(
                 seed=config.seed,
                 placement=placed,
                 timeout_s=_START_TIMEOUT_S,
+                collective_timeout_s=config.sync.collective_timeout_s,
                 feeds=feeds,
                 conversion=config.sync.conversion,
             )
