@@ -13,6 +13,7 @@ from typing import Any
 from miles_sync.export.units import ExportedUnit
 from miles_sync.wire.bucket import AtomicUnit
 from miles_sync.wire.codec import WireEnum
+from miles_sync.wire.dtypes import config_dtype
 
 __all__ = ["EXPORTERS", "ConversionMode", "ExportStream", "Exporter", "build_exporter"]
 
@@ -30,16 +31,20 @@ Exporter = Callable[..., tuple[ExportStream, list[AtomicUnit]]]
 
 
 def _raw_exporter(model: Any, *, hf_config: Any, timeout_s: float) -> tuple[ExportStream, list[AtomicUnit]]:
-    """miles_sync's converters; every rank runs the gather's collectives, the source rank gets the HF tensors."""
+    """miles_sync's converters; every rank runs the gather's collectives, the source rank gets the HF tensors.
+
+    Every tensor leaves in the checkpoint's dtype, the one the engines hold: megatron keeps a local-spec model's
+    norms in float32 under bf16, which an engine serving the bf16 checkpoint would refuse."""
     from miles_sync.export.megatron import export_metadata, iter_hf_units
     from miles_sync.export.raw import create_converter
 
     converter = create_converter(hf_config.model_type, hf_config)
+    dtype = config_dtype(hf_config)
 
     def units() -> Iterator[ExportedUnit]:
-        return iter_hf_units(model, converter=converter, source_rank_only=True, timeout_s=timeout_s)
+        return iter_hf_units(model, converter=converter, source_rank_only=True, timeout_s=timeout_s, dtype=dtype)
 
-    return units, export_metadata(model, converter=converter)
+    return units, export_metadata(model, converter=converter, dtype=dtype)
 
 
 def _bridge_exporter(model: Any, *, hf_config: Any, timeout_s: float) -> tuple[ExportStream, list[AtomicUnit]]:

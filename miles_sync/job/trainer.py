@@ -22,6 +22,7 @@ from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.selector import selector_input_problems
 from miles_sync.sync.source import ModelSource, RankInfo
 from miles_sync.transport.base import FeedPlan
+from miles_sync.wire.dtypes import config_dtype
 
 __all__ = ["TrainBatch", "TrainStepResult", "TrainerWorker"]
 
@@ -224,7 +225,7 @@ class TrainerWorker:
 
             # megatron initializes under the CUDA RNG tracker, which must be seeded (on CPU the shims stand in).
             tensor_parallel.model_parallel_cuda_manual_seed(self._seed)
-        self._model = build_gpt_model(hf_config, dtype=_config_dtype(hf_config), mtp_num_layers=self._num_mtp_layers)
+        self._model = build_gpt_model(hf_config, dtype=config_dtype(hf_config), mtp_num_layers=self._num_mtp_layers)
         load_hf_checkpoint(
             self._model, self._checkpoint_dir, converter=create_converter(hf_config.model_type, hf_config)
         )
@@ -312,14 +313,6 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None
-
-
-def _config_dtype(hf_config: Any) -> torch.dtype:
-    dtype = getattr(hf_config, "dtype", None)  # transformers 4.57; older configs call it torch_dtype
-    dtype = getattr(hf_config, "torch_dtype", None) if dtype is None else dtype
-    if dtype is None:
-        return torch.float32
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
 
 
 def _rows(tensor: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:

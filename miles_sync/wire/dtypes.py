@@ -8,9 +8,11 @@ installed torch lacks (newer fp8/fp4 formats, unsigned ints on older releases) a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "SUPPORTED_DTYPE_NAMES", "dtype_from_name", "dtype_name"]
+__all__ = ["SUPPORTED_DTYPES", "SUPPORTED_DTYPE_NAMES", "config_dtype", "dtype_from_name", "dtype_name"]
 
 _CANDIDATE_NAMES = (
     "bool",
@@ -58,3 +60,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         raise ValueError(f"Unsupported dtype {dtype}; supported: {', '.join(SUPPORTED_DTYPE_NAMES)}")
     return name
+
+
+def config_dtype(config: Any) -> torch.dtype:
+    """The parameter dtype an HF config declares (`dtype`, or `torch_dtype` in older transformers), float32 when
+    it declares none: the dtype an engine serving that checkpoint holds every weight in."""
+    dtype = getattr(config, "dtype", None)
+    dtype = getattr(config, "torch_dtype", None) if dtype is None else dtype
+    if dtype is None:
+        return torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))

@@ -72,7 +72,10 @@ SCENARIOS = (
     # Sequence parallelism: the norms' and router's gradients summed over TP, the allgather dispatcher over TP x EP.
     Scenario("moe_tp2_ep2", "moe", tp=2, ep=2),
     Scenario("moe_tp2_pp2_ep2", "moe", tp=2, pp=2, ep=2),
+    # The dense checkpoint in bfloat16: what the sync exports (build_exporter, as ModelSource does) is in its dtype.
+    Scenario("bf16_tp2", "dense_bf16", tp=2),
 )
+COMPARED = tuple(s for s in SCENARIOS if s.model in ("dense", "moe") and not s.name.endswith("_ref"))
 
 
 def _batch():
@@ -129,9 +132,37 @@ def _run(scenario: Scenario, *, rank: int, port_queue, checkpoint: str) -> dict:
         weights = {}
         for unit in iter_hf_units(worker.model, converter=converter, source_rank_only=False, timeout_s=TIMEOUT_S):
             weights.update({name: tensor.clone() for name, tensor in unit.named()})
-        return {"steps": steps, "weights": weights, "sequence_parallel": worker.model.config.sequence_parallel}
+        return {
+            "steps": steps,
+            "weights": weights,
+            "sequence_parallel": worker.model.config.sequence_parallel,
+            "sync_dtypes": _sync_dtypes(worker.model, hf_config) if scenario.model == "dense_bf16" else None,
+        }
     finally:
         worker.shutdown()
+
+
+def _sync_dtypes(model, hf_config) -> dict[str, tuple[str, ...]]:
+    """The dtypes of what a sync sends (ModelSource's exporter): its metadata's, and the source rank's tensors'."""
+    from miles_sync.export.registry import ConversionMode, build_exporter
+
+    units, metadata = build_exporter(model, hf_config=hf_config, conversion=ConversionMode.RAW, timeout_s=TIMEOUT_S)
+    sent = [str(t.dtype) for unit in units() if unit.tensors is not None for t in unit.tensors]
+    return {"metadata": tuple(sorted({str(t.dtype) for u in metadata for t in u.tensors})), "sent": tuple(sent)}
+
+
+def _write_bf16_checkpoint(source: Path, out_dir: Path) -> Path:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (out_dir / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    return out_dir
 
 
 def _write_moe_checkpoint(out_dir: Path) -> Path:
@@ -154,6 +185,7 @@ def layout_runs(reference_checkpoints: Path, tmp_path_factory: pytest.TempPathFa
     checkpoints = {
         "dense": str(reference_checkpoints / "target"),
         "moe": str(_write_moe_checkpoint(out_dir / "moe_checkpoint")),
+        "dense_bf16": str(_write_bf16_checkpoint(reference_checkpoints / "target", out_dir / "bf16_checkpoint")),
     }
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
@@ -192,7 +224,7 @@ def layout_runs(reference_checkpoints: Path, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if not s.name.endswith("_ref")], ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", COMPARED, ids=lambda s: s.name)
 def test_layout_takes_the_single_rank_steps(scenario: Scenario, layout_runs: dict[str, list[dict]]) -> None:
     reference = layout_runs[f"{scenario.model}_ref"][0]
     ranks = layout_runs[scenario.name]
@@ -227,6 +259,16 @@ def test_sequence_parallelism_is_on_for_moe_under_tensor_parallelism_only(layout
     for scenario in SCENARIOS:
         expected = scenario.model == "moe" and scenario.tp > 1
         assert [r["sequence_parallel"] for r in layout_runs[scenario.name]] == [expected] * scenario.world_size
+
+
+@pytest.mark.slow
+def test_a_bf16_trainer_syncs_every_tensor_in_the_checkpoints_dtype(layout_runs: dict[str, list[dict]]) -> None:
+    # megatron's local-spec norms stay float32 under bf16; an engine holding the bf16 checkpoint refuses float32.
+    ranks = layout_runs["bf16_tp2"]
+    assert {dtype for r in ranks for dtype in r["sync_dtypes"]["metadata"]} == {"torch.bfloat16"}
+    sent = ranks[0]["sync_dtypes"]["sent"]  # rank 0 is the source: it holds the full tensors
+    assert sent and set(sent) == {"torch.bfloat16"}
+    assert any(t.dtype == torch.float32 for r in ranks for t in r["weights"].values())  # the norms, as trained
 
 
 def _same_numbers(a, b) -> bool:

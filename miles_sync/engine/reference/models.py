@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from miles_sync.wire.dtypes import config_dtype
+
 __all__ = [
     "MOE_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
@@ -106,14 +108,6 @@ def read_config(path: str | os.PathLike):
     with open(config_path) as f:
         model_type = json.load(f).get("model_type")
     return model_family(model_type).config_class.from_json_file(str(config_path))
-
-
-def config_dtype(config) -> torch.dtype:
-    """The parameter dtype a config declares (float32 when it declares none)."""
-    dtype = getattr(config, "dtype", None)
-    if dtype is None:
-        return torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def num_mtp_layers(config) -> int:
