@@ -104,6 +104,11 @@ class RemoteTrainerSource:
         """Pipeline stages (export sources) found by `connect()`; 1 before it."""
         return 1 if self._pipeline is None else self._pipeline.num_stages
 
+    @property
+    def memberships(self) -> tuple[GroupMembership | None, ...]:
+        """Each stage's bound update group after `open`."""
+        return () if self._pipeline is None else self._pipeline.memberships
+
     async def connect(self) -> tuple[RankInfo, ...]:
         infos = await self._calls.on_all(self._trainers, "describe", timeout_s=self._calls.control_timeout_s)
         self._pipeline = PipelineSource(plan_stages(self._trainers, infos, calls=self._calls))

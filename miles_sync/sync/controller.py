@@ -75,8 +75,9 @@ class ControllerStatus:
     stale_engines: tuple[str, ...]
     held_engines: dict[str, str]
     progress: SyncProgress | None
-    membership: GroupMembership | None
+    membership: GroupMembership | None  # the first stage's (the only one without pipeline stages)
     trainer_ranks: tuple[Any, ...]
+    memberships: tuple[GroupMembership, ...] = ()  # one per pipeline stage
 
 
 class SyncController:
@@ -190,6 +191,14 @@ class SyncController:
         return self._progress
 
     @property
+    def memberships(self) -> tuple[GroupMembership, ...]:
+        """Every open update group: one per pipeline stage of the source, in stage order (empty when none is)."""
+        if not self._is_open or self._membership is None:
+            return ()
+        stages = tuple(m for m in getattr(self._source, "memberships", ()) if m is not None)
+        return stages or (self._membership,)
+
+    @property
     def membership(self) -> GroupMembership | None:
         """The current update group, None when none is open (colocated transport, or re-created at next sync)."""
         return self._membership if self._is_open else None
@@ -210,6 +219,7 @@ class SyncController:
             held_engines=self.held_engines,
             progress=self.progress,
             membership=self.membership,
+            memberships=self.memberships,
             trainer_ranks=self.trainer_ranks,
         )
 

@@ -1,6 +1,8 @@
 """The main job end to end through its real entry point (`python -m launch.run`): the default run holds the
-frozen draft's accept length with every sync verified; the frozen-draft-bug demo collapses it; invalid config
-values fail before any actor starts; a job submitted to a `ray start --head` cluster on loopback completes."""
+frozen draft's accept length with every sync verified; runs with pipeline stages (one update group per stage) and
+with an expert-parallel Qwen3-MoE trainer verify every round; the frozen-draft-bug demo collapses the accept
+length; invalid config values fail before any actor starts; a job submitted to a `ray start --head` cluster on
+loopback completes."""
 
 from __future__ import annotations
 
@@ -63,6 +65,28 @@ def test_frozen_draft_bug_demo_collapses_accept_length(tmp_path):
     assert report["baseline"]["accept_length"] > 2.0
     assert all(r["committed"] and not r["verified"] and r["selector"] == "all" for r in report["rounds"])
     assert report["rounds"][-1]["accept_length"] <= 1.2, report["rounds"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("trainer.pp=2", "trainer.tp=1"), ("model.arch=qwen3_moe", "trainer.ep=2")],
+    ids=["pipeline_stages", "expert_parallel_moe"],
+)
+def test_pipeline_and_expert_parallel_runs_verify_every_round(tmp_path, layout):
+    done = run_main(tmp_path, *layout, "num_rounds=2", *SMALL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = read_report(tmp_path, "default")
+    for override in layout:  # the run used the layout asked for
+        key, value = override.split("=")
+        section, field = key.split(".")
+        assert str(report["config"][section][field]) == value, (override, report["config"][section])
+    assert report["status"] == "completed" and [r["round"] for r in report["rounds"]] == [1, 2]
+    for r in report["rounds"]:
+        assert r["committed"] and r["verified"] and r["samples_tagged"] and r["selector"] == "target", r
+    if "trainer.pp=2" in layout:
+        assert "from 2 pipeline stages (one update group each)" in done.stdout
+    else:
+        assert report["config"]["model"]["arch"] == "qwen3_moe"
 
 
 @pytest.mark.parametrize(
