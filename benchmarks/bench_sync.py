@@ -1,6 +1,6 @@
 """Sync throughput, scaling and overheads, side by side against baselines and this machine's ceiling, in one run.
 
-    python benchmarks/bench_sync.py [--quick] [--json PATH] [--png PATH] [--cache DIR] [--repeats N]
+    python benchmarks/bench_sync.py [--quick] [--parallel-only] [--json PATH] [--png PATH] [--cache DIR] [--repeats N]
 
 Every figure is a ratio of things measured in the same run (the machine is shared and noisy). Per model (Qwen3
 shapes from ~20M to ~500M parameters, `--quick`: up to ~100M; see _sync_models.py), against reference engines
@@ -24,9 +24,16 @@ rank maps a payload covering the whole bucket, so bytes per rank = bytes sent; n
 Each measured sync is the median of `--repeats` syncs after one warm-up sync (group set-up excluded). Phase times
 come from the SyncReport the controller returns.
 
+Parallel trainer layouts (_parallel_sync.py; `--parallel-only` runs just these): real trainer actors (megatron-core
+on CPU) and the controller actor against 2 reference engines, distributed, verify on and off. A dense Qwen3 synced
+by tp=1 pp=2 (one source and update group per stage) against pp=1, and a synthetic Qwen3-MoE by tp=1 dp=2 ep=2
+(experts gathered to the source) against ep=1: GB/s on send and on total, export s, the ratio to the baseline, and
+the expert gather's cost (EP=2 export - EP=1 export).
+
 Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_to_end_gbps, speedup_vs_per_tensor
 (model with the most tensors), colocated_vs_memcpy, pause_fraction, peak_extra_mem_over_bucket; then the tables
-(the TP comparison is the largest model's `tp_cases`), torch/ray versions and the core count.
+(the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray versions and
+the core count.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, rss_bytes  # noqa: E402
 from _sync_models import FULL_MODELS, MODELS, QUICK_MODELS, ModelSpec, checkpoint_dir, export_units  # noqa: E402
 
@@ -617,6 +625,9 @@ def summarize(rows: list[dict]) -> dict:
 
 def print_tables(result: dict) -> None:
     print(f"\nmiles_sync sync benchmark - torch {result['torch']}, ray {result['ray']}, {result['cpu_count']} cores")
+    if not result["models"]:  # --parallel-only
+        print_parallel_table(result["parallel"])
+        return
     header = (
         f"{'model':<16}{'tensors':>8}{'MiB':>7}{'ours GB/s':>10}{'e2e GB/s':>9}{'ceiling':>8}{'vs ceil':>8}"
         f"{'per-tensor':>11}{'speedup':>8}{'ray GB/s':>9}{'coloc':>7}{'pickle':>7}{'memcpy':>7}{'pause':>7}"
@@ -667,6 +678,7 @@ def print_tables(result: dict) -> None:
         "peak_extra_mem_over_bucket",
     ):
         print(f"  {key} = {result[key]:.3f}")
+    print_parallel_table(result["parallel"])
 
 
 def plot(result: dict, path: Path) -> None:
@@ -717,7 +729,8 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="models up to ~100M, bucket sweep to 256 MiB")
-    parser.add_argument("--json", type=Path, default=Path("outputs/bench_sync.json"))
+    parser.add_argument("--parallel-only", action="store_true", help="only the pipeline/expert-parallel section")
+    parser.add_argument("--json", type=Path, default=None, help="default outputs/bench_sync[_parallel].json")
     parser.add_argument("--png", type=Path, default=Path("outputs/bench_sync.png"))
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("MILES_SYNC_CACHE", "~/.cache/miles_sync")))
     parser.add_argument("--log-dir", type=Path, default=Path("outputs/bench_sync_logs"))
@@ -725,6 +738,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(MODELS))
     args = parser.parse_args(argv)
     args.cache = args.cache.expanduser()
+    if args.json is None:
+        args.json = Path("outputs/bench_sync_parallel.json" if args.parallel_only else "outputs/bench_sync.json")
     args.repeats = args.repeats or (2 if args.quick else 3)
     names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
     args.bucket_sweep = [16, 64, 256] if args.quick else [16, 64, 256, 1024]
@@ -745,9 +760,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
-        rows = [bench_model(MODELS[n], args, is_sweep_model=n == sweep_model) for n in names]
+        rows = (
+            [] if args.parallel_only else [bench_model(MODELS[n], args, is_sweep_model=n == sweep_model) for n in names]
+        )
+        parallel = bench_parallel(
+            quick=args.quick, cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET
+        )
     result = {
-        **summarize(rows),
+        **(summarize(rows) if rows else {}),
         "quick": args.quick,
         "repeats": args.repeats,
         "wall_s": time.perf_counter() - started,
@@ -757,13 +777,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "models": rows,
+        "parallel": parallel,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot(result, args.png)
+    if rows:
+        args.png.parent.mkdir(parents=True, exist_ok=True)
+        plot(result, args.png)
     print_tables(result)
-    print(f"\nwrote {args.json} and {args.png} in {result['wall_s']:.0f} s")
+    print(f"\nwrote {args.json}{'' if not rows else f' and {args.png}'} in {result['wall_s']:.0f} s")
     return 0
 
 
