@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.kinds import EngineSpec
 from miles_sync.engine.process import EngineLauncher
-from miles_sync.wire.protocol import GenerateRequest, SamplingParams
+from miles_sync.wire.api import EngineError
+from miles_sync.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
 __all__ = ["RolloutWorker", "Sample", "generate_samples"]
 
@@ -25,15 +26,29 @@ class Sample:
     output_ids: tuple[int, ...]
     weight_version: str
     spec_accept_length: float | None = None  # mean tokens accepted per verify step; None without a draft
+    # The engine's logprob of each output token (SGLang's meta_info.output_token_logprobs, the logprob of each
+    # triple): log_softmax of the target's temperature-scaled logits, before top-p. None unless requested.
+    output_logprobs: tuple[float, ...] | None = None
 
 
 async def generate_samples(
-    client: EngineClient, prompts: Sequence[Sequence[int]], *, sampling: SamplingParams
+    client: EngineClient,
+    prompts: Sequence[Sequence[int]],
+    *,
+    sampling: SamplingParams,
+    return_logprob: bool = False,
 ) -> tuple[Sample, ...]:
     """One completion per prompt from the engine behind `client`, requested concurrently (the engine batches
-    them); each Sample carries the weight version the engine reported for it."""
+    them); each Sample carries the weight version the engine reported for it, and with `return_logprob` the
+    logprob of every output token. Raises EngineError when the engine answers logprobs that do not cover every
+    output token once."""
     responses = await asyncio.gather(
-        *(client.generate(GenerateRequest(input_ids=tuple(p), sampling_params=sampling)) for p in prompts)
+        *(
+            client.generate(
+                GenerateRequest(input_ids=tuple(p), sampling_params=sampling, return_logprob=return_logprob)
+            )
+            for p in prompts
+        )
     )
     return tuple(
         Sample(
@@ -42,9 +57,26 @@ async def generate_samples(
             output_ids=tuple(r.output_ids),
             weight_version=r.meta_info.weight_version,
             spec_accept_length=r.meta_info.spec_accept_length,
+            output_logprobs=_output_logprobs(r, url=client.url) if return_logprob else None,
         )
         for prompt, r in zip(prompts, responses)
     )
+
+
+def _output_logprobs(response: GenerateResponse, *, url: str) -> tuple[float, ...]:
+    """The logprob of each output token, checked against the output ids (an engine that answered none, or
+    triples for other tokens, would silently misalign a trainer's ratios)."""
+    triples = response.meta_info.output_token_logprobs
+    if triples is None:
+        raise EngineError(f"{url}/generate: asked for return_logprob but meta_info has no output_token_logprobs")
+    ids = tuple(token for _, token, _ in triples)
+    values = tuple(logprob for logprob, _, _ in triples)
+    if ids != response.output_ids or any(v is None for v in values):
+        raise EngineError(
+            f"{url}/generate: output_token_logprobs ({len(triples)} triples) do not match the "
+            f"{len(response.output_ids)} output ids one to one"
+        )
+    return values
 
 
 class RolloutWorker:
@@ -98,13 +130,18 @@ class RolloutWorker:
     def log_tail(self) -> str:
         return self._launcher.log_tail()
 
-    async def generate(self, prompts: Sequence[Sequence[int]], *, sampling: SamplingParams) -> tuple[Sample, ...]:
-        """Generate one completion per prompt, concurrently (the engine batches them). Raises EngineError when the
-        engine refuses (e.g. stale after a failed sync) or does not answer within the HTTP timeout."""
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], *, sampling: SamplingParams, return_logprob: bool = False
+    ) -> tuple[Sample, ...]:
+        """Generate one completion per prompt, concurrently (the engine batches them); `generate_samples`. Raises
+        EngineError when the engine refuses (e.g. stale after a failed sync) or does not answer within the HTTP
+        timeout."""
         url = self._launcher.url
         if url is None:
             raise RuntimeError("RolloutWorker.generate before start(): no engine is running")
-        return await generate_samples(self._connected_client(url), prompts, sampling=sampling)
+        return await generate_samples(
+            self._connected_client(url), prompts, sampling=sampling, return_logprob=return_logprob
+        )
 
     def _connected_client(self, url: str) -> EngineClient:
         # One client per server start: a restarted engine has a new URL.

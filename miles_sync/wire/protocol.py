@@ -50,6 +50,7 @@ __all__ = [
     "Role",
     "SamplingParams",
     "Selector",
+    "TokenLogprob",
     "UpdateWeightVersionRequest",
     "UpdateWeightsFromDistributedRequest",
     "UpdateWeightsFromTensorRequest",
@@ -387,11 +388,26 @@ class SamplingParams:
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
-    """One prompt, given either as token ids or as text (exactly one of the two)."""
+    """One prompt, given either as token ids or as text (exactly one of the two).
+
+    Logprob fields are SGLang 0.5.23's `GenerateReqInput` (srt/managers/io_struct.py:229-247; defaults applied at
+    io_struct.py:565-572): `return_logprob` (False) asks for `meta_info.output_token_logprobs`; `logprob_start_len`
+    (-1) is where prompt logprobs start, and -1 with `token_ids_logprob` None means output tokens only
+    (srt/managers/scheduler.py:3260-3264); `top_logprobs_num` (0) asks for the k best alternatives per position;
+    `token_ids_logprob` (None) for the logprobs of given ids; `return_text_in_logprobs` (False) fills the third
+    element of each triple with the token's text. The record carries them as SGLang does; an engine that does not
+    implement one refuses a non-default value (the reference engine: top_logprobs_num, token_ids_logprob and
+    logprob_start_len other than -1).
+    """
 
     input_ids: tuple[int, ...] | None = None
     text: str | None = None
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
+    return_text_in_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if (self.input_ids is None) == (self.text is None):
@@ -407,6 +423,11 @@ class FinishReason:
     message: str | None = None  # for "abort"
 
 
+# SGLang's per-token logprob triple: (logprob, token_id, text or None). The prompt's first token has no logprob
+# (None) when logprob_start_len is 0 (SGLang's logprob_result_processor.py:38).
+TokenLogprob = tuple[float | None, int, str | None]
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerateMetaInfo:
     prompt_tokens: int
@@ -419,6 +440,12 @@ class GenerateMetaInfo:
     # Every version that produced some of the tokens, oldest first; more than one only when an in_place pause
     # swapped the weights under a running request. Real SGLang servers do not send it.
     weight_versions: tuple[str, ...] = ()
+    # Only with return_logprob (SGLang's tokenizer_manager.py:2868-2870 sets all three then; absent otherwise):
+    # one [logprob, token_id, text-or-null] triple per output token (tokenizer_manager.py:3098-3116), and the
+    # prompt's triples from logprob_start_len on (empty by default).
+    input_token_logprobs: tuple[TokenLogprob, ...] | None = None
+    output_token_logprobs: tuple[TokenLogprob, ...] | None = None
+    output_token_logprobs_length: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,7 +93,13 @@ SAMPLES: dict[type, object] = {
     ),
     p.SamplingParams: p.SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.5, sampling_seed=0),
     p.GenerateRequest: p.GenerateRequest(
-        input_ids=(1, 2, 3), sampling_params=p.SamplingParams(max_new_tokens=4, temperature=0.0)
+        input_ids=(1, 2, 3),
+        sampling_params=p.SamplingParams(max_new_tokens=4, temperature=0.0),
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+        token_ids_logprob=(5, 6),
+        return_text_in_logprobs=True,
     ),
     p.FinishReason: p.FinishReason(type=p.FinishReasonKind.STOP, length=3, matched="</s>", message="m"),
     p.GenerateMetaInfo: p.GenerateMetaInfo(
@@ -105,6 +111,9 @@ SAMPLES: dict[type, object] = {
         spec_accept_rate=0.75,
         spec_accept_length=2.5,
         weight_versions=("1", "2"),
+        input_token_logprobs=((None, 1, "a"), (-0.5, 2, None)),
+        output_token_logprobs=((-0.25, 7, "x"), (-1.5, 8, None)),
+        output_token_logprobs_length=2,
     ),
     p.GenerateResponse: p.GenerateResponse(
         output_ids=(4, 5),

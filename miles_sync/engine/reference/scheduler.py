@@ -8,6 +8,14 @@ epoch of the runners, so states computed with old weights are never used, and `i
 Threading: `_cond` guards the queues and flags; the weights lock of the runners is held for the whole of every
 forward step, so a weight write never interleaves with a forward. Never call `pause` while holding the weights
 lock: pause waits for the step in flight to end, and that step may be waiting for the lock.
+
+Logprobs (`return_logprob`): every emitted token, whether the target chose it alone or accepted it from a draft,
+gets `token_logprob` of the target's logits at the position that predicted it, the row `choose_token` drew from.
+That is SGLang's quantity on both of its paths: plain decoding (srt/layers/sampler.py:281-318, log of the
+temperature-scaled softmax) and speculative verification (srt/layers/logprob_processor.py:386-432,
+`compute_spec_logprobs`: log_softmax of the target's verify logits at the accepted positions, called by the
+EAGLE/MTP and standalone workers, srt/speculative/eagle_worker_common.py:769-770, and the ngram worker,
+srt/speculative/ngram_worker.py:516). Every TP size computes it here, from the full logits rank 0 answers.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 
 from miles_sync.engine.reference.models import TextCodec
 from miles_sync.engine.reference.runner import Runner
+from miles_sync.engine.reference.sampling import choose_token, is_greedy, logprob_problems, token_logprob
 from miles_sync.engine.reference.speculative import DraftInput, Proposer, accept_tokens, create_proposer, pad_right
 from miles_sync.wire.protocol import (
     FinishReason,
@@ -40,22 +49,6 @@ __all__ = ["Scheduler", "choose_token"]
 _LOCK_POLL_S = 0.5  # how often a loop waiting for the weights lock checks for shutdown
 
 
-def choose_token(logits: torch.Tensor, *, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The next token from one row of logits: argmax at temperature 0, else temperature + top-p sampling with
-    exactly one uniform draw from `generator` (inverse CDF), so a seeded request is reproducible."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is below top_p.
-        keep = (sorted_probs.cumsum(0) - sorted_probs) < params.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    cdf = probs.cumsum(0)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    return int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(max=probs.numel() - 1))
-
-
 @dataclass(eq=False)
 class _Sequence:
     """Mutable state of one request; only the loop thread (or a caller holding `_cond`) touches it."""
@@ -65,6 +58,7 @@ class _Sequence:
     prompt_ids: list[int]
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # one per output id, only with return_logprob
     target_hidden: torch.Tensor | None = None
     hidden_epoch: int = -1
     versions: list[str] = field(default_factory=list)
@@ -88,6 +82,7 @@ class _Sequence:
 @dataclass(frozen=True, kw_only=True)
 class _StepResult:
     emitted: list[int]
+    logprobs: list[float]  # one per emitted token with return_logprob, else empty
     num_proposed: int
     num_accepted: int
     target_hidden: torch.Tensor | None
@@ -159,7 +154,7 @@ class Scheduler:
         prompt = self._prompt_ids(request)
         params = request.sampling_params
         generator = None
-        if params.temperature > 0:
+        if not is_greedy(params):
             generator = torch.Generator()
             if params.sampling_seed is None:
                 generator.seed()
@@ -193,6 +188,7 @@ class Scheduler:
                 f"prompt length {len(prompt)} + max_new_tokens {request.sampling_params.max_new_tokens} exceeds "
                 f"the model's max_position_embeddings {self._max_positions}"
             )
+        problems += logprob_problems(request)
         if problems:
             raise ValueError("invalid generate request: " + "; ".join(problems))
         return prompt
@@ -354,15 +350,27 @@ class Scheduler:
             for b, (seq, proposal) in enumerate(zip(batch, proposals)):
                 start = len(seq.token_ids) - 1  # logits here predict the first new token
 
-                def choose(j: int, b: int = b, start: int = start, seq: _Sequence = seq) -> int:
-                    return choose_token(out.logits[b, start + j], params=seq.params, generator=seq.generator)
+                logprobs: list[float] = []
+
+                def choose(
+                    j: int, b: int = b, start: int = start, seq: _Sequence = seq, logprobs: list[float] = logprobs
+                ) -> int:
+                    logits = out.logits[b, start + j]
+                    token = choose_token(logits, params=seq.params, generator=seq.generator)
+                    if seq.request.return_logprob:
+                        logprobs.append(token_logprob(logits, token, params=seq.params))
+                    return token
 
                 emitted, num_accepted = accept_tokens(proposal, choose)
                 # Hidden states of every position whose token is now final except the last one emitted.
                 hidden = out.hidden[b, : start + 1 + num_accepted].clone() if keep_hidden else None
                 results.append(
                     _StepResult(
-                        emitted=emitted, num_proposed=len(proposal), num_accepted=num_accepted, target_hidden=hidden
+                        emitted=emitted,
+                        logprobs=logprobs,
+                        num_proposed=len(proposal),
+                        num_accepted=num_accepted,
+                        target_hidden=hidden,
                     )
                 )
                 seq.hidden_epoch = epoch
@@ -375,6 +383,7 @@ class Scheduler:
                 kept = kept[: i + 1]
                 break
         seq.output_ids.extend(kept)
+        seq.output_logprobs.extend(result.logprobs[: len(kept)])
         seq.num_verify += 1
         seq.num_proposed += result.num_proposed
         seq.num_accepted += min(result.num_accepted, len(kept))
@@ -421,9 +430,30 @@ class Scheduler:
             # Tokens kept per verify step, bonus included; 1.0 when no draft token was ever accepted.
             spec_accept_length=(completion / seq.num_verify if seq.num_verify else 1.0) if spec else None,
             weight_versions=tuple(seq.versions),
+            **self._logprob_fields(seq),
         )
         text = "" if self._tokenizer is None else self._tokenizer.decode(seq.output_ids)
         return GenerateResponse(output_ids=tuple(seq.output_ids), meta_info=meta, text=text)
+
+    def _logprob_fields(self, seq: _Sequence) -> dict:
+        """meta_info's logprob keys: none without return_logprob, else SGLang's three
+        (srt/managers/tokenizer_manager.py:2868-2870), the prompt's list empty (logprob_start_len -1 starts at the
+        prompt's end: srt/managers/scheduler.py:3260-3264)."""
+        if not seq.request.return_logprob:
+            return {}
+        assert len(seq.output_logprobs) == len(seq.output_ids), "one logprob per output token"
+        # Each token decoded alone, as SGLang's batch_decode([[id], ...]) (srt/managers/tokenizer_manager.py:
+        # 3110-3116); None without a tokenizer, as SGLang with skip_tokenizer_init.
+        with_text = seq.request.return_text_in_logprobs and self._tokenizer is not None
+        triples = tuple(
+            (logprob, token, self._tokenizer.decode([token]) if with_text else None)
+            for logprob, token in zip(seq.output_logprobs, seq.output_ids)
+        )
+        return {
+            "input_token_logprobs": (),
+            "output_token_logprobs": triples,
+            "output_token_logprobs_length": len(triples),
+        }
 
     @staticmethod
     def _resolve(finished: Sequence[tuple[_Sequence, GenerateResponse]]) -> None:

@@ -45,6 +45,7 @@ from miles_sync.wire.protocol import (
     ContinueGenerationRequest,
     FlushCacheRequest,
     GenerateRequest,
+    GenerateResponse,
     PauseGenerationRequest,
     SamplingParams,
 )
@@ -94,6 +95,20 @@ def decide_auth(
     if api_key:
         return None if _is_bearer(authorization, api_key) else "api key"
     return None
+
+
+# SGLang sets these meta_info keys only for a return_logprob request (srt/managers/tokenizer_manager.py:2520-2530,
+# 2868-2870): otherwise they are absent, not null.
+_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length")
+
+
+def _generate_body(response: GenerateResponse) -> dict:
+    body = encode(response)
+    meta = body["meta_info"]
+    for key in _LOGPROB_KEYS:
+        if meta[key] is None:
+            del meta[key]
+    return body
 
 
 def _is_bearer(authorization: str | None, key: str) -> bool:
@@ -191,7 +206,7 @@ def create_app(
         body = decode(GenerateRequest, await _json_body(request))
         future = engine.submit_generate(body)
         response = await asyncio.wait_for(asyncio.wrap_future(future), timeout=settings.generate_timeout_s)
-        return _json(encode(response))
+        return _json(_generate_body(response))
 
     async def health_generate(request: web.Request) -> web.Response:
         del request
