@@ -16,7 +16,7 @@ from actors.placement import PlacedGroups
 from miles_sync.config import TrainerConfig
 from miles_sync.export.registry import ConversionMode
 from miles_sync.job.placement import Resources
-from miles_sync.job.trainer import TrainBatch, TrainerWorker, TrainStepResult
+from miles_sync.job.trainer import CompletionLogprobs, ScoreBatch, TrainBatch, TrainerWorker, TrainStepResult
 from miles_sync.sync.source import RankInfo
 from miles_sync.transport.base import FeedPlan
 
@@ -36,6 +36,14 @@ class TrainerGroup:
     def train_step(self, batch: TrainBatch, *, timeout_s: float) -> tuple[TrainStepResult, ...]:
         """One optimizer step on every rank with the same batch."""
         return tuple(ray.get([a.train_step.remote(batch) for a in self.actors], timeout=timeout_s))
+
+    def completion_logprobs(self, batch: ScoreBatch, *, timeout_s: float) -> CompletionLogprobs:
+        """The current weights' completion-token log-probs, computed on every rank; raises RuntimeError unless every
+        rank computed exactly the same (one model, one answer)."""
+        results = ray.get([a.completion_logprobs.remote(batch) for a in self.actors], timeout=timeout_s)
+        if any(r != results[0] for r in results[1:]):
+            raise RuntimeError("trainer ranks computed different completion log-probs")
+        return results[0]
 
     def shutdown(self, *, timeout_s: float = 60.0) -> None:
         """Release each rank's groups, then end the actors. Best effort, never raises."""

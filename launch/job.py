@@ -1,8 +1,12 @@
 """The main job: an RL loop on Ray that syncs Megatron weights into rollout engines every round.
 
     round 0:    rollouts from the starting weights (the baseline)
-    round r>0:  reward the previous rollouts -> one policy-gradient step on every trainer rank -> sync -> rollouts
-                from the synced version (each sample tagged with the version that produced it)
+    round r>0:  reward the previous rollouts -> one GRPO step on every trainer rank -> sync -> rollouts from the
+                synced version (each sample tagged with the version that produced it) -> the trainer recomputes
+                the sampled tokens' log-probs, compared with the engines' (train/rollout agreement)
+
+With `sync.enabled` false (the control run) every round trains the same way but skips the sync: the engines keep
+serving the checkpoint, and the log-prob gap shows how far the trainer's weights have moved from them.
 
 `run_job(config)` starts (or joins) Ray, places and starts the engines, trainer ranks and controller, runs
 `config.num_rounds` rounds, and writes `<output_dir>/<run_name>/report.json` and `report.png`. `launch.run` is its
@@ -37,18 +41,22 @@ from miles_sync.engine.reference.checkpoints import BUILT_IN_ARCHS, cached_check
 from miles_sync.engine.rollout import Sample, generate_samples
 from miles_sync.env import read_environment
 from miles_sync.job.placement import PlacementLayout, plan_colocated_feeds, plan_placement
-from miles_sync.job.rl import make_prompts, mean_accept_length, reward, train_batch
+from miles_sync.job.rl import grpo_batch, make_prompts, mean_accept_length, reward, rule_share, sampling_seed
 from miles_sync.job.run_report import (
     BaselineRecord,
+    RolloutStats,
     RoundRecord,
     RunReport,
     config_record,
     format_row,
     package_versions,
+    read_reward_curve,
     round_record,
     table_header,
+    unsynced_round_record,
     write_png,
 )
+from miles_sync.job.trainer import ScoreBatch
 from miles_sync.sync.report import ProgressBar, SyncReport
 from miles_sync.transport.base import FeedPlan, transport_spec
 from miles_sync.wire.protocol import SamplingParams
@@ -83,9 +91,17 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
     try:
         with connect_ray(config.cluster) as connection, _Fleet.start(config, log=log) as fleet:
             log(f"ray {'local cluster' if connection.is_local else 'cluster'} at {connection.address}")
+            version = fleet.weight_version()
             samples = fleet.rollouts(0)
+            stats = fleet.rollout_stats(samples, version=version)
             baseline = BaselineRecord(
-                version=fleet.weight_version(), accept_length=mean_accept_length(samples), reward=_mean_reward(samples)
+                version=version,
+                accept_length=stats.accept_length,
+                reward=stats.reward,
+                reward_per_engine=stats.reward_per_engine,
+                rule_share=stats.rule_share,
+                logprob_diff_max=stats.logprob_diff_max,
+                logprob_diff_mean=stats.logprob_diff_mean,
             )
             log(table_header())
             log(format_row(baseline))
@@ -94,7 +110,7 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
                     row, samples = fleet.round(index, samples)
                     rounds.append(row)
                     advance(format_row(row))
-                    if not row.committed:
+                    if row.synced and not row.committed:
                         raise RuntimeError(f"round {index}: the sync failed: {row.error}")
     except BaseException as exc:
         status = f"failed: {type(exc).__name__}: {exc}"
@@ -111,7 +127,9 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
         )
         json_path, png_path = run_dir / "report.json", run_dir / "report.png"
         report.write_json(json_path)
-        write_png(png_path, baseline=baseline, rounds=rounds, title=f"miles_sync run {config.run_name!r}")
+        control = None if config.control_report is None else read_reward_curve(Path(config.control_report))
+        title = f"miles_sync run {config.run_name!r}" + ("" if config.sync.enabled else " (control: never synced)")
+        write_png(png_path, baseline=baseline, rounds=rounds, title=title, control=control)
         log(f"wrote {json_path} and {png_path}")
     _summarize(baseline, rounds, log=log)
     return JobResult(report=report, json_path=json_path, png_path=png_path)
@@ -206,12 +224,6 @@ class _Fleet:
         self._trainers = trainers
         self._controller = controller
         self._log = log
-        rollout = config.rollout
-        self._sampling = SamplingParams(
-            max_new_tokens=rollout.max_new_tokens,
-            temperature=rollout.temperature,
-            sampling_seed=config.seed if rollout.temperature > 0 else None,
-        )
         self._sync_timeout_s = config.sync.sync_timeout_s + _ROUND_MARGIN_S
         self._show_progress = sys.stderr.isatty()
 
@@ -225,37 +237,81 @@ class _Fleet:
         return ray.get(self._controller.status.remote(), timeout=self._config.sync.http_timeout_s).weight_version
 
     def rollouts(self, index: int) -> list[Sample]:
+        """Round `index`'s samples: `samples_per_prompt` of every prompt on every engine, each request with its own
+        sampling seed (`rl.sampling_seed`), with the engines' log-probs. Engine-major, then prompt, then sample."""
         rollout = self._config.rollout
         prompts = make_prompts(index, num_prompts=rollout.num_prompts, length=rollout.prompt_length)
+        requests = [
+            [
+                (
+                    prompt,
+                    SamplingParams(
+                        max_new_tokens=rollout.max_new_tokens,
+                        temperature=rollout.temperature,
+                        sampling_seed=sampling_seed(
+                            self._config.seed,
+                            round_index=index,
+                            engine_index=e,
+                            prompt_index=p,
+                            sample_index=k,
+                        ),
+                    ),
+                )
+                for p, prompt in enumerate(prompts)
+                for k in range(rollout.samples_per_prompt)
+            ]
+            for e in range(len(self._urls))
+        ]
         return _generate(
-            self._urls,
-            prompts,
-            sampling=self._sampling,
-            api_key=self._config.engines.api_key,
-            timeout_s=self._config.sync.http_timeout_s,
+            self._urls, requests, api_key=self._config.engines.api_key, timeout_s=self._config.sync.http_timeout_s
+        )
+
+    def rollout_stats(self, samples: Sequence[Sample], *, version: str) -> RolloutStats:
+        """Reward, accept length and train/rollout log-prob agreement of `samples`: the trainer recomputes the
+        log-prob of every sampled token with its current weights and compares it with the engine's."""
+        diffs: list[float] = []
+        scored = self._trainers.completion_logprobs(
+            ScoreBatch(
+                sequences=tuple(s.prompt_ids + s.output_ids for s in samples),
+                num_prompt_tokens=tuple(len(s.prompt_ids) for s in samples),
+                temperature=self._config.rollout.temperature,
+            ),
+            timeout_s=self._sync_timeout_s,
+        )
+        has_logprobs = all(s.output_logprobs is not None for s in samples)
+        if has_logprobs:
+            for sample, trainer in zip(samples, scored.logprobs, strict=True):
+                diffs += [abs(a - b) for a, b in zip(trainer, sample.output_logprobs, strict=True)]
+        return RolloutStats(
+            reward=_mean_reward(samples),
+            reward_per_engine=tuple(_mean_reward([s for s in samples if s.engine_url == u]) for u in self._urls),
+            rule_share=sum(rule_share(s) for s in samples) / len(samples),
+            accept_length=mean_accept_length(samples),
+            logprob_diff_max=max(diffs) if diffs else None,
+            logprob_diff_mean=sum(diffs) / len(diffs) if diffs else None,
+            trainer_step=scored.weight_step,
+            samples_tagged=all(s.weight_version == version for s in samples),
+            num_samples=len(samples),
         )
 
     def round(self, index: int, previous: Sequence[Sample]) -> tuple[RoundRecord, list[Sample]]:
-        steps = self._trainers.train_step(train_batch(previous), timeout_s=self._sync_timeout_s)
+        steps = self._trainers.train_step(grpo_batch(previous), timeout_s=self._sync_timeout_s)
         losses = {s.loss for s in steps}
         if len(losses) != 1:  # tensor-parallel ranks compute one loss; anything else is a broken group
             raise RuntimeError(f"round {index}: trainer ranks computed different losses {sorted(losses)}")
+        loss, step = steps[0].loss, steps[0].step
+        if not self._config.sync.enabled:  # the control run: the engines keep what they serve
+            version = self.weight_version()
+            samples = self.rollouts(index)
+            stats = self.rollout_stats(samples, version=version)
+            return unsynced_round_record(index, version=version, loss=loss, trainer_step=step, rollouts=stats), samples
         report = self._sync_with_progress()
         if not report.committed:
             self._log(report.summary())
-            row = round_record(index, report, loss=steps[0].loss, accept_length=None, reward=0.0, samples_tagged=False)
-            return row, []
+            return round_record(index, report, loss=loss, trainer_step=step, rollouts=None), []
         samples = self.rollouts(index)
-        tagged = all(s.weight_version == report.version for s in samples)
-        row = round_record(
-            index,
-            report,
-            loss=steps[0].loss,
-            accept_length=mean_accept_length(samples),
-            reward=_mean_reward(samples),
-            samples_tagged=tagged,
-        )
-        return row, samples
+        stats = self.rollout_stats(samples, version=report.version)
+        return round_record(index, report, loss=loss, trainer_step=step, rollouts=stats), samples
 
     def _sync_with_progress(self) -> SyncReport:
         """One sync on the controller; meanwhile a per-bucket bar on this driver, fed by polling the controller."""
@@ -370,18 +426,24 @@ def _close_controller(controller: Any) -> None:
 
 def _generate(
     urls: Sequence[str],
-    prompts: Sequence[Sequence[int]],
+    requests: Sequence[Sequence[tuple[Sequence[int], SamplingParams]]],
     *,
-    sampling: SamplingParams,
     api_key: str | None,
     timeout_s: float,
 ) -> list[Sample]:
-    """The same prompts on every engine, all engines at once, from this process over HTTP."""
+    """`requests[e]` (prompt, sampling) pairs on engine `urls[e]`, every request of every engine at once, from this
+    process over HTTP, with the engines' log-probs; the samples in request order, engine after engine."""
 
     async def run() -> list[Sample]:
         clients = [EngineClient(u, timeout_s=timeout_s, api_key=api_key) for u in urls]
         try:
-            batches = await asyncio.gather(*(generate_samples(c, prompts, sampling=sampling) for c in clients))
+            batches = await asyncio.gather(
+                *(
+                    generate_samples(client, [prompt], sampling=sampling, return_logprob=True)
+                    for client, pairs in zip(clients, requests, strict=True)
+                    for prompt, sampling in pairs
+                )
+            )
         finally:
             await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         return [s for batch in batches for s in batch]
@@ -402,9 +464,11 @@ def _summarize(baseline: BaselineRecord | None, rounds: Sequence[RoundRecord], *
         return
     first, last = baseline.accept_length, rounds[-1].accept_length
     verified = sum(r.verified for r in rounds)
+    diffs = [r.logprob_diff_max for r in rounds if r.logprob_diff_max is not None]
     log(
         f"{len(rounds)} rounds, {verified} verified; accept length {first} -> {last}; "
         f"mean reward {baseline.reward:.3f} -> {rounds[-1].reward:.3f}"
+        + (f"; max |trainer - engine| log-prob over the rounds {max(diffs):.2e}" if diffs else "")
     )
 
 

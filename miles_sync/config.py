@@ -76,6 +76,9 @@ class SyncConfig:
     # reset them to random values, sync, compare. Only when the trainer then holds exactly the weights the engines
     # loaded at start; otherwise the compare fails and every engine stays paused.
     mechanism_check: bool = False
+    # False: the job trains exactly as usual but never syncs, so the engines keep serving the checkpoint (the
+    # control run: whatever the rollouts' reward does then did not come through the sync).
+    enabled: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -202,7 +205,7 @@ class TrainerConfig:
     # ep (no TP collectives inside each expert) and lets ep reuse the tp ranks (the main job's MoE run,
     # `model.arch=qwen3_moe trainer.ep=2`, is tp=2 x ep=2 with whole experts per rank, sequence parallel).
     etp: int = 1
-    lr: float = 1e-4
+    lr: float = 5e-3
 
     @property
     def world_size(self) -> int:
@@ -252,17 +255,20 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """What each round generates: `num_prompts` per engine, each `prompt_length` tokens of the reference
-    language, and `max_new_tokens` per completion at `temperature` (0: greedy)."""
+    language, `samples_per_prompt` completions of each on every engine (one GRPO group per prompt: every engine's
+    samples of it), `max_new_tokens` per completion at `temperature` (0: greedy, and a group's samples agree)."""
 
     num_prompts: int = 4
     prompt_length: int = 4
+    samples_per_prompt: int = 4
     max_new_tokens: int = 24
-    temperature: float = 0.0
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         counts = {
             "num_prompts": self.num_prompts,
             "prompt_length": self.prompt_length,
+            "samples_per_prompt": self.samples_per_prompt,
             "max_new_tokens": self.max_new_tokens,
         }
         problems = [f"{name}={value} must be at least 1" for name, value in counts.items() if value < 1]
@@ -290,9 +296,10 @@ class MilesSyncConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int = 0
-    num_rounds: int = 5  # rounds of rollout -> reward -> policy-gradient step -> sync
+    num_rounds: int = 8  # rounds of rollout -> reward -> policy-gradient step -> sync
     run_name: str = "default"
     output_dir: str = "outputs"  # the run writes <output_dir>/<run_name>/report.json and report.png
+    control_report: str | None = None  # another run's report.json (e.g. sync.enabled=false), drawn in report.png
 
     def __post_init__(self) -> None:
         problems = []

@@ -24,20 +24,22 @@ from miles_sync.sync.source import ModelSource, RankInfo
 from miles_sync.transport.base import FeedPlan
 from miles_sync.wire.dtypes import config_dtype
 
-__all__ = ["TrainBatch", "TrainStepResult", "TrainerWorker"]
+__all__ = ["CompletionLogprobs", "ScoreBatch", "TrainBatch", "TrainStepResult", "TrainerWorker"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainBatch:
     """Token sequences (prompt + completion) and one reward each. The loss covers completion tokens only.
 
-    `baseline`: subtracted from every reward (the advantage); None uses the batch's mean reward.
+    `advantages`: each sequence's weight in the policy-gradient loss (e.g. GRPO's group-relative ones); None takes
+    reward - `baseline`, where a None baseline is the batch's mean reward.
     """
 
     sequences: tuple[tuple[int, ...], ...]
     num_prompt_tokens: tuple[int, ...]
     rewards: tuple[float, ...]
     baseline: float | None = None
+    advantages: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         problems = [] if self.sequences else ["sequences is empty"]
@@ -46,11 +48,48 @@ class TrainBatch:
                 f"{len(self.sequences)} sequences, {len(self.num_prompt_tokens)} prompt lengths and "
                 f"{len(self.rewards)} rewards must be as many"
             )
+        if self.advantages is not None and len(self.advantages) != len(self.sequences):
+            problems.append(f"{len(self.advantages)} advantages for {len(self.sequences)} sequences")
+        if self.advantages is not None and self.baseline is not None:
+            problems.append("give advantages or a baseline, not both")
         bad = [i for i, (s, n) in enumerate(zip(self.sequences, self.num_prompt_tokens)) if not 1 <= n < len(s)]
         if bad:
             problems.append(f"sequences {bad} need 1 <= num_prompt_tokens < length (at least one completion token)")
         if problems:
             raise ValueError("invalid TrainBatch: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreBatch:
+    """Token sequences (prompt + completion) whose completion tokens' log-probabilities are asked for.
+
+    `temperature`: the log-probs are those of softmax(logits / temperature), the distribution a rollout engine
+    samples from (and SGLang's `output_token_logprobs`); 0 (greedy) scores the logits as they are.
+    """
+
+    sequences: tuple[tuple[int, ...], ...]
+    num_prompt_tokens: tuple[int, ...]
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = [] if self.sequences else ["sequences is empty"]
+        if len(self.sequences) != len(self.num_prompt_tokens):
+            problems.append(f"{len(self.sequences)} sequences and {len(self.num_prompt_tokens)} prompt lengths")
+        bad = [i for i, (s, n) in enumerate(zip(self.sequences, self.num_prompt_tokens)) if not 1 <= n < len(s)]
+        if bad:
+            problems.append(f"sequences {bad} need 1 <= num_prompt_tokens < length (at least one completion token)")
+        if not self.temperature >= 0:
+            problems.append(f"temperature={self.temperature} must be non-negative")
+        if problems:
+            raise ValueError("invalid ScoreBatch: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionLogprobs:
+    """One log-probability per completion token of each sequence of a ScoreBatch, in order."""
+
+    logprobs: tuple[tuple[float, ...], ...]
+    weight_step: int  # optimizer steps the weights that scored them had taken
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,12 +300,15 @@ class TrainerWorker:
         # Sequence parallelism splits every sequence over the TP ranks, so its length must divide by tp.
         seq_multiple = ps.get_tensor_model_parallel_world_size() if self._model.config.sequence_parallel else 1
         tokens, loss_mask = _pad(batch.sequences, batch.num_prompt_tokens, seq_multiple=seq_multiple)
-        rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-        baseline = rewards.mean() if batch.baseline is None else torch.tensor(batch.baseline)
+        if batch.advantages is None:
+            rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+            advantages = rewards - (rewards.mean() if batch.baseline is None else torch.tensor(batch.baseline))
+        else:
+            advantages = torch.tensor(batch.advantages, dtype=torch.float32)
         num_tokens = loss_mask.sum()
         # Normalized by the whole batch's token count, so the data-parallel shares' gradients simply add up.
         nll_weights = loss_mask / num_tokens
-        loss_weights = nll_weights * (rewards - baseline)[:, None]
+        loss_weights = nll_weights * advantages[:, None]
         # Every data-parallel rank runs the same rows x seq (the MoE allgather and p2p buffers need equal shapes);
         # padding rows weigh nothing.
         micro_batch_size = self._micro_batch_size
@@ -297,6 +339,32 @@ class TrainerWorker:
             num_tokens=int(num_tokens.item()),
             seconds=time.perf_counter() - start,
         )
+
+    def completion_logprobs(self, batch: ScoreBatch) -> CompletionLogprobs:
+        """The current weights' log-probability of every completion token of `batch` (forward only, through
+        megatron-core's schedule; no weight or optimizer state changes). Every rank calls it with the same batch
+        and gets the same answer: each rank scores every sequence (data-parallel replicas repeat the work, which
+        keeps expert-parallel shapes equal) and the last pipeline stage broadcasts its result."""
+        from megatron.core import parallel_state as ps
+
+        from miles_sync.megatron.schedule import forward_logprobs
+
+        if self._model is None:
+            raise RuntimeError(f"trainer rank {self._rank}: completion_logprobs before setup()")
+        seq_multiple = ps.get_tensor_model_parallel_world_size() if self._model.config.sequence_parallel else 1
+        tokens, loss_mask = _pad(batch.sequences, batch.num_prompt_tokens, seq_multiple=seq_multiple)
+        num_rows = len(batch.sequences)
+        micro_batch_size = 1 if self._config.pp > 1 else num_rows
+        tokens = tokens.to(self._device)
+        logprobs = forward_logprobs(
+            self._model,
+            input_ids=tokens[:, :-1].contiguous(),
+            labels=tokens[:, 1:].contiguous(),
+            temperature=batch.temperature if batch.temperature > 0 else 1.0,
+            micro_batch_size=micro_batch_size,
+        ).cpu()
+        rows = tuple(tuple(logprobs[i][loss_mask[i] > 0].tolist()) for i in range(num_rows))
+        return CompletionLogprobs(logprobs=rows, weight_step=self._num_steps)
 
     def shutdown(self) -> None:
         """Release the transport, model parallelism and the process group. Idempotent."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["batch_totals", "forward_backward", "reduce_gradients"]
+__all__ = ["batch_totals", "forward_backward", "forward_logprobs", "reduce_gradients"]
 
 
 def forward_backward(
@@ -51,7 +51,8 @@ def forward_backward(
     def step(data_iterator, stage):
         ids, labels_mb, loss_w, nll_w = next(data_iterator)
         # The last stage returns [mb, seq] per-token cross entropy (vocab-parallel over TP); the others, hidden states.
-        output = stage(ids, positions, None, labels=labels_mb)
+        # An MTP layer's own loss covers the positions the weights cover (megatron's default is every position).
+        output = stage(ids, positions, None, labels=labels_mb, loss_mask=(nll_w > 0).float())
 
         def loss_func(nll: torch.Tensor):
             loss = (nll * loss_w).sum()
@@ -75,6 +76,74 @@ def forward_backward(
     if not reported:  # not the last stage
         return torch.zeros(2, dtype=torch.float64, device=input_ids.device)
     return torch.stack(reported).sum(dim=0)
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    *,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    micro_batch_size: int,
+) -> torch.Tensor:
+    """Forward only: log softmax(logits / temperature)[label] at every position, float32 [rows, seq], on every
+    rank of the pipeline (the last stage computes it through the vocab-parallel cross entropy and broadcasts it).
+
+    Shapes and microbatching as `forward_backward`. No gradient is kept and no weight changes; puts the model in
+    eval mode. The temperature divides the output layer's logits for the duration of the call (a forward hook), so
+    the MTP logits computed alongside are scaled too; they are not returned.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    num_rows, seq_length = input_ids.shape
+    if num_rows % micro_batch_size:
+        raise ValueError(f"{num_rows} rows are not a multiple of micro_batch_size={micro_batch_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be positive")
+    num_microbatches = num_rows // micro_batch_size
+    positions = torch.arange(seq_length, device=input_ids.device).unsqueeze(0).expand(micro_batch_size, -1)
+    microbatches = [
+        (input_ids[i : i + micro_batch_size], labels[i : i + micro_batch_size])
+        for i in range(0, num_rows, micro_batch_size)
+    ]
+
+    def step(data_iterator, stage):
+        ids, labels_mb = next(data_iterator)
+        output = stage(ids, positions, None, labels=labels_mb)
+
+        def loss_func(nll: torch.Tensor):
+            return nll.sum(), -nll.detach().float()
+
+        return output, loss_func
+
+    def scale(module, inputs, output):
+        logits, bias = output
+        return logits / temperature, bias
+
+    output_layer = getattr(model, "output_layer", None) if ps.is_pipeline_last_stage() else None
+    hook = None if output_layer is None or temperature == 1.0 else output_layer.register_forward_hook(scale)
+    model.eval()
+    try:
+        with torch.no_grad():
+            reported = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iter(microbatches),
+                model=model,
+                num_microbatches=num_microbatches,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        if hook is not None:
+            hook.remove()
+    result = torch.cat(reported) if reported else torch.zeros(num_rows, seq_length, device=input_ids.device)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+    return result
 
 
 def reduce_gradients(model: torch.nn.Module) -> None:

@@ -306,13 +306,21 @@ CONFIG_FIELDS = {
         "check_selector": None,
         "staged": None,
         "mechanism_check": None,
+        "enabled": None,
     },
     "cluster": {"address": None, "num_cpus": None},
-    "rollout": {"num_prompts": None, "prompt_length": None, "max_new_tokens": None, "temperature": None},
+    "rollout": {
+        "num_prompts": None,
+        "prompt_length": None,
+        "samples_per_prompt": None,
+        "max_new_tokens": None,
+        "temperature": None,
+    },
     "seed": None,
     "num_rounds": None,
     "run_name": None,
     "output_dir": None,
+    "control_report": None,
 }
 
 
