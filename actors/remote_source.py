@@ -220,7 +220,7 @@ class StageSource:
     export's collectives pair up within the stage), and the stage's source rank's answer is the result."""
 
     def __init__(self, *, stage: int, trainers: Sequence[Any], source_index: int, calls: _RankCalls) -> None:
-        self.stage = stage
+        self.index = stage  # its pipeline stage
         self._trainers = tuple(trainers)
         self._source_index = source_index
         self._calls = calls

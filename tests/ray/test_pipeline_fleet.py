@@ -106,11 +106,13 @@ def moe_fleet(cluster, reference_moe_checkpoint, tmp_path_factory) -> Iterator[P
 
 
 @contextlib.contextmanager
-def controller_for(fleet: PipelineFleet, transport: TransportKind, *, model: ModelConfig = MODEL) -> Iterator[object]:
+def controller_for(
+    fleet: PipelineFleet, transport: TransportKind, *, model: ModelConfig = MODEL, staged: bool = False
+) -> Iterator[object]:
     handle = create_controller(
         trainers=fleet.trainers.actors,
         engine_urls=current_urls(fleet.engines.actors),
-        sync=SyncConfig(transport=transport, **SYNC),
+        sync=SyncConfig(transport=transport, staged=staged, **SYNC),
         model=model,
     )
     try:
@@ -158,6 +160,15 @@ def test_each_stage_sends_its_own_layers_and_the_sync_verifies(fleet, transport)
     assert len({target_checksum(u) for u in urls}) == 1
     samples = ray.get(fleet.engines.actors[0].generate.remote([[1, 2, 3, 4]], sampling=GREEDY), timeout=RAY_TIMEOUT_S)
     assert {s.weight_version for s in samples} == {report.version}
+
+
+def test_staged_export_packs_every_stage_before_the_pause_and_sends_the_same_bytes(fleet):
+    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
+        plain = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+    with controller_for(fleet, TransportKind.DISTRIBUTED, staged=True) as controller:
+        staged = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+    assert_verified(staged, num_tensors=plain.num_tensors)
+    assert staged.phases.stage_s > 0 and staged.checksums == plain.checksums  # no step between: the same bytes
 
 
 def kill_at_unit(unit_index: int):
