@@ -237,3 +237,49 @@ def test_api_key_guards_every_admin_endpoint(ckpt, tmp_path_factory):
         assert server.ok("/begin_weight_update", {"selector": "target"})["success"]
         assert server.post("/end_weight_update")[0] == 400  # nothing loaded: strict refuses, but authorized
         assert API_KEY not in server.log_tail(10**6)
+
+
+def test_server_stops_when_its_launcher_dies_without_stopping_it(ckpt, tmp_path):
+    """A launcher SIGKILLed (a crashed Ray node, a killed driver) leaves its engine re-parented: the engine notices
+    and shuts down instead of holding its memory and port for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "server.pid"
+    launcher = (
+        "import subprocess, sys, time\n"
+        f"server = subprocess.Popen([sys.executable, '-m', 'miles_sync.engine.reference.serve', '--model', "
+        f"{str(ckpt / 'target')!r}, '--port', '0', '--draft-kind', 'none'], stdout=subprocess.PIPE, text=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(server.pid))\n"
+        "print(server.stdout.readline(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening on" in parent.stdout.readline()  # the server is up
+        server_pid = int(pid_file.read_text())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _is_running(server_pid):
+            time.sleep(0.2)
+        assert not _is_running(server_pid), "the orphaned engine kept running"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if pid_file.exists() and _is_running(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _is_running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as stopped.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -227,10 +228,27 @@ async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
             _is_set(args.admin_api_key),
         )
         print(f"listening on {url}", flush=True)
-        await stop.wait()
+        watcher = asyncio.create_task(_stop_when_orphaned(stop, parent=os.getppid()))
+        try:
+            await stop.wait()
+        finally:
+            watcher.cancel()
     finally:
         await runner.cleanup()
         sock.close()
+
+
+async def _stop_when_orphaned(stop: asyncio.Event, *, parent: int) -> None:
+    """Stop serving once the process that started this server is gone (this process was re-parented): a launcher
+    killed without its clean-up (a crashed Ray node, a SIGKILLed driver) must not leave an engine holding memory
+    and a port for ever. Its own `stop` sends SIGTERM first, so a live launcher never reaches this."""
+    while os.getppid() == parent:
+        await asyncio.sleep(_ORPHAN_POLL_S)
+    logger.warning("the launching process %d is gone: shutting down", parent)
+    stop.set()
+
+
+_ORPHAN_POLL_S = 1.0
 
 
 def _is_set(key: str | None) -> str:
