@@ -205,7 +205,7 @@ class TrainerConfig:
     # ep (no TP collectives inside each expert) and lets ep reuse the tp ranks (the main job's MoE run,
     # `model.arch=qwen3_moe trainer.ep=2`, is tp=2 x ep=2 with whole experts per rank, sequence parallel).
     etp: int = 1
-    lr: float = 5e-3
+    lr: float = 3e-3
 
     @property
     def world_size(self) -> int:
@@ -296,7 +296,7 @@ class MilesSyncConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int = 0
-    num_rounds: int = 8  # rounds of rollout -> reward -> policy-gradient step -> sync
+    num_rounds: int = 10  # rounds of rollout -> reward -> policy-gradient step -> sync
     run_name: str = "default"
     output_dir: str = "outputs"  # the run writes <output_dir>/<run_name>/report.json and report.png
     control_report: str | None = None  # another run's report.json (e.g. sync.enabled=false), drawn in report.png
