@@ -190,7 +190,7 @@ class SyncLoop:
         if self._checksums is not None:
             changed = sum(1 for name, digest in report.checksums.items() if self._checksums.get(name) != digest)
         self._checksums = dict(report.checksums)
-        row = round_record(index, report, loss=0.0, accept_length=None, reward=0.0, samples_tagged=tagged)
+        row = round_record(index, report, loss=0.0, trainer_step=index, rollouts=None)
         return SyncRecord(
             index=index,
             version=report.version,
