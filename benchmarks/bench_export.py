@@ -106,7 +106,9 @@ def _timed_stream(make_stream, *, repeats: int) -> tuple[list[float], int, int]:
 
 
 def _worker(rank: int, port: int, checkpoint: str, repeats: int, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    from miles_sync.env import adopt_bind_host
+
+    adopt_bind_host(HOST)  # this process's groups bind loopback (gloo's interface derived from it)
     import torch
 
     torch.set_num_threads(1)

@@ -70,6 +70,7 @@ from miles_sync.engine.client import EngineClient
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
+from miles_sync.env import adopt_bind_host
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import GroupSettings, SyncController
 from miles_sync.sync.report import BucketProgress, SyncReport
@@ -279,7 +280,9 @@ def received_per_pid(
 def _ceiling_rank(rank: int, world_size: int, port: int, num_bytes: int, repeats: int, out) -> None:
     import torch.distributed as dist
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    from miles_sync.env import adopt_bind_host
+
+    adopt_bind_host(HOST)  # this process's groups bind loopback (gloo's interface derived from it)
     store = dist.TCPStore(
         HOST, port, world_size, is_master=False, timeout=__import__("datetime").timedelta(seconds=300)
     )
@@ -744,7 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
     args.bucket_sweep = [16, 64, 256] if args.quick else [16, 64, 256, 1024]
     torch.set_num_threads(1)  # as every engine runs; the sender's copies and hashes run on their own threads
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    adopt_bind_host(HOST)  # every group of this process and its children binds loopback
 
     import ray
 

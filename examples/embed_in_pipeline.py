@@ -35,6 +35,7 @@ from actors.controller import create_controller
 from miles_sync.config import ModelConfig, SyncConfig
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
+from miles_sync.env import socket_interface_env
 from miles_sync.sync.attach import attach_model
 
 TIMEOUT_S = 300.0
@@ -123,7 +124,7 @@ def run(*, checkpoint: str, engine_urls: list[str], num_steps: int, tp: int, pp:
     )
     listener.detach()  # the store owns the socket now and closes it
     trainer_class = ray.remote(PipelineTrainer).options(
-        num_cpus=0.01, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}
+        num_cpus=0.01, runtime_env={"env_vars": socket_interface_env("127.0.0.1")}
     )
     world_size = tp * pp
     trainers = [

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from miles_sync.config import ClusterConfig
+from miles_sync.env import LOOPBACK_HOST
 
 __all__ = ["RayConnection", "connect_ray", "prepare_environment"]
 
@@ -29,7 +30,9 @@ def _address(cluster: ClusterConfig) -> str | None:
 def prepare_environment(cluster: ClusterConfig) -> None:
     """Call before `ray` is first imported. For a local cluster: keep Ray's processes on 127.0.0.1 (without
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at import, Ray binds the machine's non-loopback address even with a
-    loopback node IP) and keep its token file out of the user's home."""
+    loopback node IP) and keep its token file out of the user's home. A multi-node cluster is never touched here:
+    its nodes were started by `ray start` with their own addresses (a cluster simulated on loopback addresses needs
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 on its nodes instead, or workers refuse to join: tests/ray/multinode.py)."""
     if _address(cluster) is None:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -52,7 +55,7 @@ def connect_ray(cluster: ClusterConfig) -> Iterator[RayConnection]:
             address="local",
             num_cpus=cluster.num_cpus,
             include_dashboard=False,
-            _node_ip_address="127.0.0.1",
+            _node_ip_address=LOOPBACK_HOST,
             object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
             log_to_driver=False,
         )

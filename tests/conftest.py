@@ -11,13 +11,18 @@ from pathlib import Path
 
 import pytest
 
+from miles_sync.env import LOOPBACK_HOST, socket_interface_env
+
 _TIERS = ("unit", "multiproc", "ray")
 
 # Keep every local process group and server on loopback, and Ray's token file out of the home directory.
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps a single-node local cluster's processes on 127.0.0.1; only the simulated
+# multi-node cluster's own nodes run with 1 (tests/ray/multinode.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+for _name, _value in socket_interface_env(LOOPBACK_HOST).items():  # gloo/NCCL interfaces, derived in miles_sync.env
+    os.environ.setdefault(_name, _value)
+os.environ.setdefault("MASTER_ADDR", LOOPBACK_HOST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from miles_sync.config import PLACEMENT_STRATEGIES
 from miles_sync.transport.base import Device, FeedPlan, plan_feeds
 
 __all__ = [
@@ -32,8 +33,6 @@ __all__ = [
     "plan_colocated_feeds",
     "plan_placement",
 ]
-
-_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class PlacementLayout(str, Enum):
@@ -141,8 +140,13 @@ def plan_placement(
     engine: Resources,
     engine_tp_size: int = 1,
     strategy: str = "PACK",
+    engine_strategy: str | None = None,
 ) -> PlacementPlan:
     """Bundles and slots for `num_trainers` trainer ranks and `num_engines` engines. Pure.
+
+    `strategy`: Ray's strategy for the trainers' group (colocated: the one shared group); `engine_strategy` for the
+    engines' group of a disaggregated plan (None: `strategy`), e.g. PACK trainers onto one node and STRICT_SPREAD
+    engines one per node.
 
     `trainer` / `engine` are what one actor asks for; a colocated bundle holds one trainer's resources plus, on
     the bundles where an engine's first TP rank sits, that engine's. Raises ValueError naming every bad value
@@ -156,8 +160,11 @@ def plan_placement(
         problems.append(f"layout={layout!r} is not one of {[m.value for m in PlacementLayout]}")
     counts = {"num_trainers": num_trainers, "num_engines": num_engines, "engine_tp_size": engine_tp_size}
     problems.extend(f"{name}={value} must be at least 1" for name, value in counts.items() if value < 1)
-    if strategy not in _STRATEGIES:
-        problems.append(f"strategy={strategy!r} is not one of {list(_STRATEGIES)}")
+    if engine_strategy is None:
+        engine_strategy = strategy
+    for name, value in (("strategy", strategy), ("engine_strategy", engine_strategy)):
+        if value not in PLACEMENT_STRATEGIES:
+            problems.append(f"{name}={value!r} is not one of {list(PLACEMENT_STRATEGIES)}")
     # Ray refuses empty bundles; a zero-resource actor could also land anywhere, defeating the plan.
     for name, resources in (("trainer", trainer), ("engine", engine)):
         if resources.is_empty:
@@ -171,7 +178,7 @@ def plan_placement(
         raise ValueError("cannot plan placement: " + "; ".join(problems))
     if layout is PlacementLayout.COLOCATED:
         return _colocated(num_trainers, num_engines, trainer, engine, engine_tp_size, strategy)
-    return _disaggregated(num_trainers, num_engines, trainer, engine, strategy)
+    return _disaggregated(num_trainers, num_engines, trainer, engine, strategy, engine_strategy)
 
 
 def _colocated(
@@ -214,13 +221,13 @@ def plan_colocated_feeds(plan: PlacementPlan) -> FeedPlan:
 
 
 def _disaggregated(
-    num_trainers: int, num_engines: int, trainer: Resources, engine: Resources, strategy: str
+    num_trainers: int, num_engines: int, trainer: Resources, engine: Resources, strategy: str, engine_strategy: str
 ) -> PlacementPlan:
     return PlacementPlan(
         layout=PlacementLayout.DISAGGREGATED,
         groups=(
             BundleGroup(name="trainers", strategy=strategy, bundles=(trainer,) * num_trainers),
-            BundleGroup(name="engines", strategy=strategy, bundles=(engine,) * num_engines),
+            BundleGroup(name="engines", strategy=engine_strategy, bundles=(engine,) * num_engines),
         ),
         trainers=tuple(
             ActorSlot(role=ActorRole.TRAINER, index=i, group=0, bundle=i, resources=trainer)

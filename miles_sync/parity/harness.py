@@ -13,7 +13,6 @@ files in `workdir/case{i}/`:
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 import traceback
 import warnings
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_sync.env import adopt_bind_host
 from miles_sync.megatron.parallel_layout import parallel_layout_problems
 from miles_sync.transport.group import start_store_server
 
@@ -203,7 +203,7 @@ def _worker(
     rank: int, world_size: int, port: int, cases: list[ParityCase], case_dirs: list[str], timeout_s: float
 ) -> None:
     # Pin gloo to loopback before it creates any device; this process talks to no other host.
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    adopt_bind_host(_HOST)
     torch.set_num_threads(1)
     # megatron-core warns at import that TE and Apex are absent (expected here), a dozen lines per process.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")

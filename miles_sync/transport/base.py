@@ -42,6 +42,7 @@ __all__ = [
     "TransportError",
     "TransportSpec",
     "create_transport",
+    "feed_node_problems",
     "needs_update_group",
     "plan_feeds",
     "plan_membership",
@@ -79,11 +80,13 @@ class EngineRanks:
 @dataclass(frozen=True, kw_only=True)
 class GroupMembership:
     """Who is in the update group and where it meets. `master_port` 0: the source rank lets the OS pick a port
-    when it starts the store, and reports it back in the membership it returns from `Transport.open`."""
+    when it starts the store, and reports it back in the membership it returns from `Transport.open`.
+    `master_address` None: the source rank's own bind address (its node's, miles_sync.env.bind_host), filled in
+    the same way; so with pipeline stages each stage's group meets on its own source rank's node."""
 
     group_name: str
     backend: str
-    master_address: str
+    master_address: str | None
     master_port: int
     world_size: int
     engines: tuple[EngineRanks, ...]
@@ -93,8 +96,14 @@ class GroupMembership:
     def with_port(self, port: int) -> GroupMembership:
         return replace(self, master_port=port)
 
+    def bound_to(self, *, address: str, port: int) -> GroupMembership:
+        """The membership as the source rank started its store: at `address`:`port`."""
+        return replace(self, master_address=address, master_port=port)
+
     def init_request(self, url: str) -> InitWeightsUpdateGroupRequest:
-        """The /init_weights_update_group body for the engine at `url` (needs the bound port)."""
+        """The /init_weights_update_group body for the engine at `url` (needs the bound address and port)."""
+        if self.master_address is None:
+            raise ValueError(f"update group {self.group_name!r} has no master address yet (the source binds it)")
         for engine in self.engines:
             if engine.url == url:
                 return InitWeightsUpdateGroupRequest(
@@ -113,10 +122,11 @@ def plan_membership(
     engines: Sequence[EngineEndpoint],
     group_name: str,
     backend: str,
-    master_address: str,
+    master_address: str | None,
     master_port: int = 0,
 ) -> GroupMembership:
-    """Ranks for the source (0) and each engine, in the given order. Pure.
+    """Ranks for the source (0) and each engine, in the given order. Pure. `master_address` None: the source
+    rank binds its own address when it opens the group.
 
     Raises ValueError naming every duplicate URL and every non-positive tp_size.
     """
@@ -267,6 +277,36 @@ def plan_feeds(*, trainer_devices: Sequence[Device], engine_devices: Sequence[Se
         feeders = tuple(first_rank[d] for d in ranks)
         engines.append(EngineFeed(feeders=feeders, poster=feeders[0]))
     return FeedPlan(num_trainers=len(trainer_devices), engines=tuple(engines))
+
+
+def feed_node_problems(
+    *,
+    plan: FeedPlan,
+    trainer_nodes: Sequence[str],
+    engines: Sequence[EngineEndpoint],
+    engine_nodes: Sequence[str],
+) -> list[str]:
+    """Every engine rank whose feeder, or engine whose poster, runs on another node than the engine. Pure.
+
+    Colocated payloads are handles to memory (CPU shared memory, CUDA IPC) that open only on the node that holds
+    it, so each engine must be fed from a trainer rank on its own node: the bucket reaches that node over the
+    trainer's own group, never as a handle. `trainer_nodes[i]`: trainer rank i's node address; `engine_nodes[j]`:
+    engine j's (the host of its URL). Each problem names the engine, its node and the nodes it has trainer ranks
+    on, so a layout without a trainer rank on an engine's node is refused before any sync.
+    """
+    problems = []
+    for j, (engine, feed, node) in enumerate(zip(engines, plan.engines, engine_nodes)):
+        local = [r for r, n in enumerate(trainer_nodes) if n == node]
+        strangers = sorted(
+            {f"rank {r} on {trainer_nodes[r]}" for r in (*feed.feeders, feed.poster) if trainer_nodes[r] != node}
+        )
+        if strangers:
+            where = f"trainer ranks {local} are on it" if local else "no trainer rank runs on it"
+            problems.append(
+                f"engine {j} ({engine.url}) on node {node} would be fed across nodes by {', '.join(strangers)} "
+                f"({where})"
+            )
+    return problems
 
 
 @runtime_checkable

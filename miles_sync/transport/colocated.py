@@ -2,7 +2,10 @@
 
 A FeedPlan (miles_sync.transport.base) says which trainer rank feeds each engine rank and which one posts each
 engine's request. Its ranks and the export source form a fan-out group (gloo, created when the sender opens, so it
-never interleaves with the export's collectives on the trainer's default group). Per bucket, on every member:
+never interleaves with the export's collectives on the trainer's default group; its devices bind each rank's own
+address). On several nodes this is how a bucket reaches every node: over the trainer's own group, from the source to
+the feeding ranks, each on its engines' node; a handle never crosses a node (`feed_node_problems` refuses such a
+plan before any sync). Per bucket, on every member:
 
     source: announce the bucket (layout + selector), broadcast its bytes   -- members: receive into their own buffer
     feeders: encode one handle per engine rank they feed (CPU shared memory here, CUDA IPC on GPU), all-gather them
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import pickle
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from miles_sync.transport.base import EngineTarget, FeedRole, GroupMembership, TransportError
+from miles_sync.transport.group import gloo_device
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
 from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
 from miles_sync.wire.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
@@ -154,47 +160,85 @@ class _Solo:
 
 
 class _GlooGroup:
-    """A gloo subgroup of the trainer's default group; the source (a global rank) is the root of broadcasts."""
+    """The fan-out members' own gloo group, the source (member index `root`) the root of broadcasts. Built on the
+    trainer's default store (a key prefix per fan-out) with an explicit device on this rank's bind address, so it
+    binds where the rank's node is, not where the default group's interface happens to be. Objects travel pickled
+    (the members are one trainer's ranks); every collective waits at most the group's timeout."""
 
-    def __init__(self, group: Any, *, source_rank: int, size: int) -> None:
+    def __init__(self, group: Any, *, rank: int, root: int, size: int, timeout_s: float) -> None:
         self._group = group
-        self._source_rank = source_rank
+        self._rank = rank
+        self._root = root
         self._size = size
+        self._timeout = timedelta(seconds=timeout_s)
 
     def broadcast_object(self, obj: Any) -> Any:
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._source_rank, group=self._group)
-        return box[0]
+        data = pickle.dumps(obj) if self._rank == self._root else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.broadcast_buffer(size)
+        payload = _bytes_tensor(data) if self._rank == self._root else torch.empty(int(size), dtype=torch.uint8)
+        self.broadcast_buffer(payload)
+        return obj if self._rank == self._root else pickle.loads(payload.numpy().tobytes())
 
     def broadcast_buffer(self, buffer: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        dist.broadcast(buffer, src=self._source_rank, group=self._group)
+        options = dist.BroadcastOptions()
+        options.rootRank = self._root
+        options.rootTensor = 0
+        options.timeout = self._timeout
+        self._wait(self._group.broadcast([buffer], options))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self._size
-        dist.all_gather_object(gathered, obj, group=self._group)
-        return gathered
+        data = pickle.dumps(obj)
+        sizes = self._all_gather(torch.tensor([len(data)], dtype=torch.int64))
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(data)] = _bytes_tensor(data)
+        gathered = self._all_gather(padded)
+        return [pickle.loads(g[: int(s)].numpy().tobytes()) for g, s in zip(gathered, sizes)]
 
     def destroy(self) -> None:
-        import torch.distributed as dist
+        with contextlib.suppress(Exception):  # a group broken by a peer may refuse a clean shutdown
+            self._group.shutdown()
 
-        with contextlib.suppress(Exception):  # already gone with the default group
-            dist.destroy_process_group(self._group)
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        outputs = [torch.empty_like(tensor) for _ in range(self._size)]
+        options = AllgatherOptions()
+        options.timeout = self._timeout
+        self._wait(self._group.allgather([outputs], [tensor], options))
+        return outputs
+
+    def _wait(self, work: Any) -> None:
+        if work.wait(self._timeout) is False:
+            raise TimeoutError(f"fan-out collective timed out after {self._timeout.total_seconds()} s")
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+# Every trainer rank opens every fan-out (open is collective), so this counter names the same fan-out on all ranks.
+_FAN_OUT_GENERATIONS = itertools.count()
 
 
 def _open_gloo(members: Sequence[int], *, source_rank: int, timeout_s: float) -> _Collectives | None:
-    """Collective over the default group (every trainer rank calls it, members or not): None off the group."""
+    """Collective over the trainer ranks (every rank calls it, members or not): None off the group."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
 
-    group = dist.new_group(ranks=list(members), backend="gloo", timeout=timedelta(seconds=timeout_s))
+    generation = next(_FAN_OUT_GENERATIONS)
     if dist.get_rank() not in members:
         return None
-    return _GlooGroup(group, source_rank=source_rank, size=len(members))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    options._devices = [gloo_device()]
+    store = dist.PrefixStore(f"miles_sync/fan_out/{generation}/", _get_default_store())
+    rank = list(members).index(dist.get_rank())
+    group = dist.ProcessGroupGloo(store, rank, len(members), options)
+    return _GlooGroup(group, rank=rank, root=list(members).index(source_rank), size=len(members), timeout_s=timeout_s)
 
 
 def find_source_rank(*, is_source: bool) -> int:

@@ -11,7 +11,8 @@ thread before the first await, so a receiver is released by the bytes it waits f
 This matters most on NCCL, where tearing the source's side down does not release a receiver (SGLang's update
 group takes no timeout: an abandoned receiver waits out torch's default collective timeout).
 
-Set-up: the source starts the rendezvous store on a port the OS picks, then joins the group in a worker thread
+Set-up: the source starts the rendezvous store on its own bind address (miles_sync.env.bind_host: its node's, on a
+cluster) unless the membership names one, on a port the OS picks, then joins the group in a worker thread
 while every engine joins over HTTP, concurrently (each side blocks until all members arrived).
 """
 
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from miles_sync.env import bind_host
 from miles_sync.transport.base import EngineTarget, GroupMembership, TransportError
 from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
 from miles_sync.wire.api import EngineError
@@ -84,8 +86,10 @@ class DistributedTransport:
                 f"membership engines {member_urls} differ from the transport's {[e.client.url for e in self._engines]}"
             )
         await self.close(timeout_s=timeout_s)
-        store = start_store_server(host=membership.master_address, port=membership.master_port, timeout_s=timeout_s)
-        bound = membership.with_port(store.port)
+        # The group meets where this (source) process runs, unless the controller named an address.
+        address = bind_host() if membership.master_address is None else membership.master_address
+        store = start_store_server(host=address, port=membership.master_port, timeout_s=timeout_s)
+        bound = membership.bound_to(address=address, port=store.port)
         join = asyncio.ensure_future(
             asyncio.to_thread(
                 create_update_group,
@@ -97,6 +101,7 @@ class DistributedTransport:
                 backend=bound.backend,
                 timeout_s=timeout_s,
                 store=store,
+                local_address=address,
             )
         )
         inits = [

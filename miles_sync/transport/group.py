@@ -15,7 +15,6 @@ and the owner destroys it and creates a new one.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 from datetime import timedelta
@@ -23,7 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["UpdateGroup", "create_update_group", "start_store_server"]
+from miles_sync.env import LOOPBACK_HOST, configured_host, is_loopback, is_wildcard
+
+__all__ = ["UpdateGroup", "create_update_group", "gloo_device", "start_store_server"]
 
 _BACKENDS = ("gloo", "nccl")
 
@@ -180,8 +181,9 @@ def create_update_group(
     `store`: the `start_store_server` store (or any master `TCPStore`) when this rank hosts it; other ranks connect
     to `master_address`:`master_port` and register as one of the store's `world_size` users, so a master built
     elsewhere with `world_size` and `wait_for_workers=True` (SGLang-style trainers) counts them. `local_address`:
-    the address this rank's gloo transport binds; by default 127.0.0.1 when the master is on loopback, else gloo's
-    own choice (GLOO_SOCKET_IFNAME). The timeout also becomes the default for the group's collectives. Raises
+    the address this rank's gloo transport binds; by default this process's configured address (MILES_SYNC_HOST,
+    which an actor shell sets to its node's), else 127.0.0.1 when the master is on loopback, else gloo's own
+    choice (GLOO_SOCKET_IFNAME). The timeout also becomes the default for the group's collectives. Raises
     ValueError for bad arguments, TimeoutError when the rendezvous does not complete in time.
     """
     problems = []
@@ -234,24 +236,23 @@ def create_update_group(
     )
 
 
-def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
+def gloo_device(*, local_address: str | None = None, master_address: str | None = None):
+    """The gloo device a group of miles_sync binds: `local_address`, else this process's configured address
+    (MILES_SYNC_HOST: its node's, adopted by the actor shell), else 127.0.0.1 when `master_address` is on loopback,
+    else gloo's own choice (the interface GLOO_SOCKET_IFNAME names, miles_sync.env)."""
+    if local_address is None:
+        local_address = configured_host()
+    if local_address is None and master_address is not None and is_loopback(master_address):
+        local_address = LOOPBACK_HOST
+    if local_address is None or is_wildcard(local_address):  # a wildcard is no address peers can connect to
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=local_address)
 
 
 def _gloo(store, rank, world_size, timeout, master_address, local_address):
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    if local_address is None and _is_loopback(master_address):
-        local_address = "127.0.0.1"
-    if local_address is None:
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    else:
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+    options._devices = [gloo_device(local_address=local_address, master_address=master_address)]
     return dist.ProcessGroupGloo(store, rank, world_size, options), torch.device("cpu")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import subprocess
 import sys
 import time
@@ -222,7 +221,9 @@ def _check_te_shim() -> dict[str, list[str]]:
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    from miles_sync.env import adopt_bind_host
+
+    adopt_bind_host(HOST)  # this process's groups bind loopback
     import torch
 
     torch.set_num_threads(1)

@@ -10,7 +10,6 @@ the same cached checkpoints.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 import traceback
 from datetime import timedelta
@@ -24,6 +23,7 @@ from miles_sync.engine.reference.models import CausalLM, model_family, read_conf
 from miles_sync.engine.reference.parallel_models import ShardedCausalLM, ShardedMTPHead
 from miles_sync.engine.reference.runner import load_runners
 from miles_sync.engine.reference.sharded import ShardedRunner, load_sharded_runners
+from miles_sync.env import adopt_bind_host
 from miles_sync.transport.group import start_store_server
 from miles_sync.weights.engine_layout import rank_engine_tensors, shard_tensor
 from miles_sync.weights.layout import WeightLayout, layout_spec
@@ -55,7 +55,7 @@ EMBED_NAME = "model.embed_tokens.weight"
 
 
 def _rank_main(rank: int, world_size: int, port: int, checkpoints: str, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    adopt_bind_host("127.0.0.1")  # this process's groups bind loopback
     torch.set_num_threads(1)
     timeout = timedelta(seconds=TIMEOUT_S)
     out = Path(out_dir)

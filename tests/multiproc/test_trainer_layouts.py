@@ -13,7 +13,6 @@ pad the sequence to a multiple of tp).
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -92,7 +91,9 @@ def _batch():
 
 
 def _rank_main(rank: int, ports: list, checkpoints: dict[str, str], out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    from miles_sync.env import adopt_bind_host
+
+    adopt_bind_host("127.0.0.1")  # this process's groups bind loopback
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")

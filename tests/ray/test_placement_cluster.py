@@ -1,20 +1,27 @@
-"""Placement on a simulated two-node Ray cluster (`ray.cluster_utils.Cluster`, both nodes on 127.0.0.1), told
-apart by custom node resources: "trainer_node" on the head, "rollout_node" on the second node.
+"""Several nodes: one simulated three-node cluster (tests/ray/multinode.py: head 127.0.0.2, workers 127.0.0.3 and
+127.0.0.4, told apart by custom node resources) shared by every test here.
 
-Disaggregated: the real trainer ranks (TP=2) land on the trainer node, the real engines on the rollout node, and a
-sync across the two pools commits verified. Colocated with STRICT_SPREAD: each bundle on its own node, trainer
-rank i and engine i in bundle i, hence on one node.
+- disaggregated: the trainer ranks (TP=2) on the head, one engine on each worker; a sync across the nodes commits
+  verified, the update group meets on the source rank's node, and every listener miles_sync opened binds its own
+  node's address (none every interface); the colocated transport on this layout is refused at connect, naming the
+  engine and its node;
+- colocated: one bundle per worker (trainer rank j and engine j share it); a colocated sync commits verified and each
+  engine maps memory of the trainer rank on its own node;
+- the main job submitted with `ray job submit` to this cluster completes, and its report records the nodes.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
+from multinode import HEAD_IP, WORKER_IPS, children_of, listeners, ray_ports, three_node_cluster
 from ray_fleet import RAY_TIMEOUT_S
 
 from actors.controller import create_controller
@@ -23,116 +30,207 @@ from actors.rollout import create_engines
 from actors.trainer import create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
-from miles_sync.engine.rollout import RolloutWorker
-from miles_sync.job.placement import Resources, plan_placement
-from miles_sync.job.trainer import TrainerWorker
+from miles_sync.env import node_of_url
+from miles_sync.job.placement import Resources, plan_colocated_feeds, plan_placement
+from miles_sync.sync.attach import attached_source
+from miles_sync.transport.base import TransportKind
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 
-NODE_ARGS = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 * 2**20)
-ON_TRAINER_NODE = Resources(num_cpus=0.01, custom=(("trainer_node", 1.0),))
-ON_ROLLOUT_NODE = Resources(num_cpus=0.01, custom=(("rollout_node", 1.0),))
+REPO = Path(__file__).resolve().parents[2]
+ON_HEAD = Resources(num_cpus=0.01, custom=(("node_a", 1.0),))
+ON_A_WORKER = Resources(num_cpus=0.01, custom=(("worker_node", 1.0),))
+MODEL = ModelConfig(arch="qwen3", speculative_algorithm="NEXTN")
+BUCKET_BYTES = 512 * 1024
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    """(trainer node id, rollout node id) of a two-node cluster the driver is connected to."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**NODE_ARGS, "resources": {"trainer_node": 2}, "include_dashboard": False},
-    )
-    try:
-        rollout = cluster.add_node(**NODE_ARGS, resources={"rollout_node": 2})
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            yield cluster.head_node.node_id, rollout.node_id
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.shutdown()
+def cluster():
+    with three_node_cluster() as started:
+        yield started
 
 
-def node_of(actor) -> str:
-    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=60)
+def pid_of(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
-def test_disaggregated_trainers_and_engines_land_on_their_nodes_and_sync(nodes, reference_checkpoints, tmp_path):
-    trainer_node, rollout_node = nodes
+def engine_spec(target: str) -> ReferenceEngineSpec:
+    return ReferenceEngineSpec(model_dir=target, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER)
+
+
+def own_listeners(pids):
+    """The listeners of `pids` that are not Ray's own (its core worker's, in the node's worker port range)."""
+    return [s for s in listeners(pids) if not ray_ports(s.port)]
+
+
+def assert_engines_bind_their_nodes(engines) -> None:
+    """Every listener of each engine's server and its children (HTTP, update groups) is on the engine's node."""
+    servers = ray.get([a.pid.remote() for a in engines.actors], timeout=60)
+    for url, node, server in zip(engines.urls, engines.nodes, servers):
+        found = listeners([server, *children_of(server)])
+        assert found, f"engine {url} listens nowhere?"
+        assert {s.address for s in found} == {node.node_ip}, (url, found)
+        assert int(url.rsplit(":", 1)[1]) in {s.port for s in found}
+
+
+def assert_new_listeners_bind_their_nodes(before, pids_by_node) -> None:
+    """Every listener opened since `before` by a trainer rank (update groups, the colocated fan-out) is on that
+    rank's node; nothing of theirs listens on every interface."""
+    for node, pid in pids_by_node:
+        mine = own_listeners([pid])
+        assert not [s for s in mine if s.is_wildcard], mine
+        new = [s for s in mine if s not in before]
+        assert all(s.address == node for s in new), (node, new)
+
+
+def test_disaggregated_sync_across_nodes_binds_every_listener_to_its_node(cluster, reference_checkpoints, tmp_path):
     target = str(reference_checkpoints / "target")
     plan = plan_placement(
-        layout="disaggregated", num_trainers=2, num_engines=2, trainer=ON_TRAINER_NODE, engine=ON_ROLLOUT_NODE
+        layout="disaggregated",
+        num_trainers=2,
+        num_engines=2,
+        trainer=ON_HEAD,
+        engine=ON_A_WORKER,
+        engine_strategy="STRICT_SPREAD",
     )
-    spec = ReferenceEngineSpec(model_dir=target, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER)
     with ExitStack() as stack:
-        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix="two-node")
+        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix="disaggregated")
         stack.callback(placed.remove)
-        engines = create_engines(specs=[spec, spec], log_dir=tmp_path, placement=placed)
+        engines = create_engines(specs=[engine_spec(target)] * 2, log_dir=tmp_path, placement=placed)
         stack.callback(engines.shutdown)
         trainers = create_trainers(trainer=TrainerConfig(tp=2), checkpoint_dir=target, placement=placed)
         stack.callback(trainers.shutdown)
-        assert [node_of(a) for a in trainers.actors] == [trainer_node, trainer_node]
-        assert [node_of(a) for a in engines.actors] == [rollout_node, rollout_node]
+        assert [(n.node_ip, n.bind_host) for n in trainers.nodes] == [(HEAD_IP, HEAD_IP)] * 2
+        assert sorted(n.node_ip for n in engines.nodes) == sorted(WORKER_IPS)
+        assert [node_of_url(u) for u in engines.urls] == [n.node_ip for n in engines.nodes]  # URLs name the nodes
+        assert [r.node for r in trainers.ranks] == [HEAD_IP] * 2
+        trainer_pids = [pid_of(a) for a in trainers.actors]
+        before = own_listeners(trainer_pids)
+        # Set-up's listeners: the trainer group's store on the head's address; torch's default group and
+        # Megatron's (outside miles_sync's audit, README "Several nodes") on the loopback interface's 127.0.0.1.
+        assert before and {s.address for s in before} <= {HEAD_IP, "127.0.0.1"}, before
+        assert HEAD_IP in {s.address for s in before}
+
         controller = create_controller(
             trainers=trainers.actors,
             engine_urls=engines.urls,
-            sync=SyncConfig(bucket_bytes=512 * 1024),
-            model=ModelConfig(arch="qwen3", speculative_algorithm="NEXTN"),
-            options={"num_cpus": 0},
+            sync=SyncConfig(bucket_bytes=BUCKET_BYTES),
+            model=MODEL,
         )
         stack.callback(ray.kill, controller)
         report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert report.committed, report.summary()
         num_tensors = trainers.ranks[0].num_exported_tensors
         assert [e.num_verified_tensors for e in report.engines] == [num_tensors, num_tensors]
+        membership = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership
+        assert membership.master_address == HEAD_IP  # the source rank's node
+        (source_pid,) = [pid for pid, info in zip(trainer_pids, trainers.ranks) if info.is_source]
+        store = [s for s in listeners([source_pid]) if s.port == membership.master_port]
+        assert [s.address for s in store] == [HEAD_IP], store
+        assert_engines_bind_their_nodes(engines)
+        assert_new_listeners_bind_their_nodes(before, [(HEAD_IP, pid) for pid in trainer_pids])
         ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
 
+        # The colocated transport would hand each engine a handle to memory on the head: refused before any sync.
+        with pytest.raises(ValueError, match="no trainer rank runs on it") as refused:
+            create_controller(
+                trainers=trainers.actors,
+                engine_urls=engines.urls,
+                sync=SyncConfig(transport=TransportKind.COLOCATED, bucket_bytes=BUCKET_BYTES),
+                model=MODEL,
+            )
+        for url in engines.urls:
+            assert f"({url}) on node {node_of_url(url)}" in str(refused.value)
 
-def test_colocated_bundles_spread_over_nodes_keep_each_trainer_with_its_engine(nodes, tmp_path):
+
+def test_colocated_sync_feeds_each_engine_from_its_own_node(cluster, reference_checkpoints, tmp_path):
+    target = str(reference_checkpoints / "target")
     plan = plan_placement(
         layout="colocated",
         num_trainers=2,
         num_engines=2,
-        trainer=Resources(num_cpus=0.01),
+        trainer=ON_A_WORKER,
         engine=Resources(num_cpus=0.01),
         strategy="STRICT_SPREAD",
     )
-    spec = ReferenceEngineSpec(model_dir=str(tmp_path / "never-started"))
     with ExitStack() as stack:
-        placed = create_placement_groups(plan, timeout_s=60.0)
+        placed = create_placement_groups(plan, timeout_s=60.0, name_prefix="colocated")
         stack.callback(placed.remove)
-        # The actors are only constructed (cheap); where they run is what this test is about.
-        trainers = [
-            ray.remote(TrainerWorker)
-            .options(**placed.trainer_options(rank))
-            .remote(rank=rank, trainer=TrainerConfig(tp=2), checkpoint_dir="unused")
-            for rank in range(2)
-        ]
-        engines = [
-            ray.remote(RolloutWorker).options(**placed.engine_options(j)).remote(spec=spec, log_dir=str(tmp_path))
-            for j in range(2)
-        ]
-        for actor in trainers + engines:
-            stack.callback(ray.kill, actor)
-        trainer_nodes = [node_of(a) for a in trainers]
-        assert sorted(trainer_nodes) == sorted(nodes)  # one bundle per node
-        assert [node_of(a) for a in engines] == trainer_nodes  # engine j shares trainer j's bundle
+        engines = create_engines(specs=[engine_spec(target)] * 2, log_dir=tmp_path, placement=placed)
+        stack.callback(engines.shutdown)
+        trainers = create_trainers(
+            trainer=TrainerConfig(tp=2), checkpoint_dir=target, placement=placed, feeds=plan_colocated_feeds(plan)
+        )
+        stack.callback(trainers.shutdown)
+        trainer_nodes = [n.node_ip for n in trainers.nodes]
+        assert sorted(trainer_nodes) == sorted(WORKER_IPS)  # one bundle per worker
+        assert [n.node_ip for n in engines.nodes] == trainer_nodes  # engine j shares trainer j's bundle
+        trainer_pids = [pid_of(a) for a in trainers.actors]
+        before = own_listeners(trainer_pids)
+
+        controller = create_controller(
+            trainers=trainers.actors,
+            engine_urls=engines.urls,
+            sync=SyncConfig(transport=TransportKind.COLOCATED, bucket_bytes=BUCKET_BYTES),
+            model=MODEL,
+        )
+        stack.callback(ray.kill, controller)
+        report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        assert report.committed, report.summary()
+        num_tensors = trainers.ranks[0].num_exported_tensors
+        assert [e.num_verified_tensors for e in report.engines] == [num_tensors, num_tensors]
+        # Engine j mapped memory of trainer rank j, on its own node: rank j posted engine j's request and every
+        # handle in it names a shared segment rank j's process created (torch names segments "/torch_<pid>_...").
+        for rank, actor in enumerate(trainers.actors):
+            posted = ray.get(actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60)
+            assert {(p.engine, p.url, p.feeder, p.segment_pid) for p in posted} == {
+                (rank, engines.urls[rank], rank, trainer_pids[rank])
+            }, posted
+            assert node_of_url(engines.urls[rank]) == trainer_nodes[rank]
+        assert_engines_bind_their_nodes(engines)
+        # The fan-out group that carried each bucket from the source to the other node binds each rank's node.
+        assert_new_listeners_bind_their_nodes(before, list(zip(trainer_nodes, trainer_pids)))
+        ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
 
 
-def test_unplaceable_plan_times_out_naming_the_group(nodes):
+def test_unplaceable_plan_times_out_naming_the_group(cluster):
     plan = plan_placement(
         layout="disaggregated",
         num_trainers=1,
         num_engines=1,
-        trainer=ON_TRAINER_NODE,
+        trainer=ON_HEAD,
         engine=Resources(num_cpus=0.01, custom=(("gpu_node", 1.0),)),
     )
+    available = ray.available_resources().get("node_a")
     with pytest.raises(TimeoutError, match=r"engines \[\{'CPU': 0.01, 'gpu_node': 1.0\}\]") as info:
         create_placement_groups(plan, timeout_s=2.0)
     assert "trainers" not in str(info.value)  # the trainer group could be placed
-    # Nothing is left behind: the trainer node's resource comes back (removal is asynchronous in Ray).
+    # Nothing is left behind: the head's resource comes back (removal is asynchronous in Ray).
     deadline = time.monotonic() + 30.0
-    while ray.available_resources().get("trainer_node") != 2.0 and time.monotonic() < deadline:
+    while ray.available_resources().get("node_a") != available and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert ray.available_resources().get("trainer_node") == 2.0
+    assert ray.available_resources().get("node_a") == available
+
+
+def test_ray_job_submit_runs_the_main_job_across_the_nodes(cluster, tmp_path):
+    overrides = [
+        f"output_dir={tmp_path}",
+        "run_name=nodes",
+        "num_rounds=1",
+        "rollout.num_prompts=3",
+        "rollout.max_new_tokens=16",
+        "cluster.trainer_node_resource=node_a",
+        "cluster.engine_node_resource=worker_node",
+        "cluster.engine_strategy=STRICT_SPREAD",
+    ]
+    submit = ["bash", str(REPO / "launch" / "submit.sh"), "--address", cluster.dashboard_url, *overrides]
+    done = subprocess.run(submit, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "succeeded" in output, output[-4000:]
+    assert f"cluster at {cluster.gcs_address}" in output  # it joined this cluster
+    report = json.loads((tmp_path / "nodes" / "report.json").read_text())
+    assert report["status"] == "completed" and report["rounds"][0]["verified"]
+    nodes = report["machine"]["nodes"]
+    assert [r["node"] for r in nodes["trainer_ranks"]] == [HEAD_IP] * 2
+    assert sorted(e["node"] for e in nodes["engines"]) == sorted(WORKER_IPS)
+    assert all(node_of_url(e["url"]) == e["bind_host"] == e["node"] for e in nodes["engines"])
