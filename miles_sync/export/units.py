@@ -15,6 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_sync.weights.fp8 import (
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    Fp8Block,
+    is_quantized_weight,
+    quantize,
+    scale_name,
+    scale_shape,
+)
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 
@@ -107,3 +116,34 @@ def units_from_hf_tensors(tensors: Mapping[str, torch.Tensor], names: Iterable[s
         metas = tuple(TensorMeta(name=n, shape=tuple(tensors[n].shape), dtype=tensors[n].dtype) for n in group)
         units.append(ExportedUnit(meta=AtomicUnit(key=key, tensors=metas), tensors=tuple(tensors[n] for n in group)))
     return units
+
+
+def quantized_unit_meta(meta: AtomicUnit, spec: Fp8Block) -> AtomicUnit:
+    """The unit as block-FP8 sends it: each quantized weight (`miles_sync.weights.fp8.is_quantized_weight`) in
+    float8_e4m3fn, followed by its `weight_scale_inv`; every other tensor unchanged. The scales stay inside their
+    weight's unit: a loader dequantizes (or repacks) a weight only with its scales in the same call. Pure."""
+    tensors: list[TensorMeta] = []
+    for t in meta.tensors:
+        if not is_quantized_weight(t.name):
+            tensors.append(t)
+            continue
+        tensors.append(TensorMeta(name=t.name, shape=t.shape, dtype=FP8_DTYPE))
+        tensors.append(TensorMeta(name=scale_name(t.name), shape=scale_shape(t.shape, spec.block), dtype=SCALE_DTYPE))
+    return AtomicUnit(key=meta.key, tensors=tuple(tensors))
+
+
+def quantize_unit(unit: ExportedUnit, spec: Fp8Block) -> ExportedUnit:
+    """`unit` in block-FP8 (`quantized_unit_meta`), its tensors quantized where it holds any (the source rank);
+    a unit without a quantized weight is returned as it is. Deterministic: equal inputs give equal bytes."""
+    if not any(is_quantized_weight(t.name) for t in unit.meta.tensors):
+        return unit
+    meta = quantized_unit_meta(unit.meta, spec)
+    if unit.tensors is None:
+        return ExportedUnit(meta=meta, tensors=None)
+    tensors: list[torch.Tensor] = []
+    for t, tensor in zip(unit.meta.tensors, unit.tensors, strict=True):
+        if is_quantized_weight(t.name):
+            tensors.extend(quantize(tensor, spec.block))
+        else:
+            tensors.append(tensor)
+    return ExportedUnit(meta=meta, tensors=tuple(tensors))

@@ -1,8 +1,10 @@
 """Export + pack: exported units -> bucket plans -> flattened buckets in pack buffers, one bucket at a time.
 
 `PackStream` runs a live export (on the sender's worker thread); `StagedStream` replays buckets that
-`Sender.stage` packed ahead. Both yield `PackedBucket`s in plan order, and `drain()` consumes the rest of the
-export (its collectives must pair up across ranks, also after a failure).
+`Sender.stage` packed ahead. With a block-FP8 spec, `PackStream` quantizes each unit as it leaves the export,
+before the planner sizes it: on the source rank, after the gather, so only the FP8 bytes and scales are packed and
+hashed, and a weight and its scales stay in one unit (one bucket). Both yield `PackedBucket`s in plan order, and
+`drain()` consumes the rest of the export (its collectives must pair up across ranks, also after a failure).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_sync.export.units import ExportedUnit
+from miles_sync.export.units import ExportedUnit, quantize_unit
 from miles_sync.sync.buffers import BucketBuffers
 from miles_sync.sync.plan import BucketPlan, plan_buckets
 from miles_sync.weights.checksum import tensor_checksum
+from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.bucket import FlattenedBucket, pack_bucket, unpack_bucket
 
 __all__ = ["PackStream", "PackedBucket", "StagedStream", "bucket_checksums", "bucket_tensors", "pair_with_plans"]
@@ -82,18 +85,27 @@ class StagedStream:
 
 
 class PackStream:
-    """Export + pack, one bucket per `next_bucket()` call; runs on one worker thread (export may issue
-    collectives, and CUDA streams are per thread)."""
+    """Export + (quantize) + pack, one bucket per `next_bucket()` call; runs on one worker thread (export may issue
+    collectives, and CUDA streams are per thread). `quantization`: block-FP8 spec, None sends the export's dtypes.
+    `quantize_s` is the time spent quantizing (not part of `export_s`)."""
 
     def __init__(
-        self, units: Iterable[ExportedUnit], *, cap_bytes: int, buffers: BucketBuffers, hash_inline: bool
+        self,
+        units: Iterable[ExportedUnit],
+        *,
+        cap_bytes: int,
+        buffers: BucketBuffers,
+        hash_inline: bool,
+        quantization: Fp8Block | None = None,
     ) -> None:
+        self._quantization = quantization
         self._pairs = pair_with_plans(self._timed(units), cap_bytes=cap_bytes)
         self._buffers = buffers
         self._hash_inline = hash_inline
         self._seen: set[str] = set()
         self.export_s = 0.0
         self.pack_s = 0.0
+        self.quantize_s = 0.0
 
     def _timed(self, units: Iterable[ExportedUnit]) -> Iterator[ExportedUnit]:
         iterator = iter(units)
@@ -103,6 +115,10 @@ class PackStream:
             self.export_s += time.perf_counter() - start
             if unit is None:
                 return
+            if self._quantization is not None:
+                start = time.perf_counter()
+                unit = quantize_unit(unit, self._quantization)
+                self.quantize_s += time.perf_counter() - start
             yield unit
 
     def next_bucket(self) -> PackedBucket | None:

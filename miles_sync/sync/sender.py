@@ -48,6 +48,7 @@ from miles_sync.transport.base import (
     transport_spec,
 )
 from miles_sync.transport.colocated import FanOut, PostedPayload, open_fan_out
+from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.protocol import Selector
 
 __all__ = ["Sender", "SenderSettings"]
@@ -72,6 +73,9 @@ class SenderSettings:
     admin_api_key: str | None = field(default=None, repr=False)  # the engines' admin key, where they have one
     device: str = "cpu"
     hash_buckets: bool = True  # checksums of what was sent: verification needs them (see Sender)
+    # Block-FP8 export (miles_sync.weights.fp8): the source quantizes every quantized linear weight after the
+    # gather and sends it with its weight_scale_inv; None sends the export's own dtypes.
+    quantization: Fp8Block | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -243,6 +247,7 @@ class Sender:
             cap_bytes=self._settings.bucket_bytes,
             buffers=FreshBuffers(device=self._device, shared=self._shares_cpu_memory),
             hash_inline=self._settings.hash_buckets,
+            quantization=self._settings.quantization,
         )
 
         def pack_all() -> list[PackedBucket]:
@@ -286,7 +291,11 @@ class Sender:
             stream: PackStream | StagedStream = staged
         else:
             stream = PackStream(
-                self._export(), cap_bytes=self._settings.bucket_bytes, buffers=self._send_buffers(), hash_inline=False
+                self._export(),
+                cap_bytes=self._settings.bucket_bytes,
+                buffers=self._send_buffers(),
+                hash_inline=False,
+                quantization=self._settings.quantization,
             )
         # One worker thread runs the whole stream. Not waited for on exit: after a cancellation it finishes the
         # bucket it is packing on its own, and the event loop must not block on it.
@@ -327,6 +336,7 @@ class Sender:
             pack_s=stream.pack_s,
             send_s=time.perf_counter() - start,
             engine_checksums={} if digester is None else digester.finish(),
+            quantize_s=getattr(stream, "quantize_s", 0.0),  # a staged stream quantized at stage time
         )
 
     async def _follow(self, draining: asyncio.Future) -> None:

@@ -1,6 +1,7 @@
 """One sync session across every engine: the data flow of one sync as one function, `run_sync_session`.
 
     selector (cross-checked against every engine's draft report, before anything is sent)
+    quantization (the sync's against every engine's, before anything is sent: miles_sync.sync.quantization)
     pause (barrier) -> flush (unless in_place) -> [mechanism check: snapshot -> reset] -> begin(selector)
     source: export -> pack -> send, bucket by bucket
     end -> update_weight_version -> [mechanism check: compare] -> verify (miles_sync.sync.verify: exact,
@@ -46,11 +47,13 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, 
 from dataclasses import dataclass, field
 
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.engine_digests import EngineDigestPlan, FleetLayouts, plan_engine_digests
+from miles_sync.sync.engine_digests import EngineDigestPlan, FleetLayouts, plan_engine_digests, read_model_config
+from miles_sync.sync.quantization import check_fleet_quantization
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
 from miles_sync.sync.verify import fleet_verdicts, weights_digest
 from miles_sync.sync.weight_source import SendResult, WeightSource, accepts_engine_digests
+from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
 
@@ -120,8 +123,10 @@ async def run_sync_session(
     held: Collection[str] = (),
     staged: bool = False,
     mechanism_check: bool = False,
+    quantization: Fp8Block | None = None,
 ) -> SyncReport:
-    """Run one session: see the module docstring. `baselines`: per engine URL, what the last verified sync left
+    """Run one session: see the module docstring. `quantization`: what the source sends (block FP8 or None), checked
+    against each engine's before the pause. `baselines`: per engine URL, what the last verified sync left
     (absent: the engine is treated as partial after any failed send). `held`: URLs of engines kept paused since an
     earlier failure; they are resumed only by a session that completes on them. `mechanism_check`: snapshot, reset,
     sync, compare (module docstring); only when the source sends exactly the weights every engine holds, else the
@@ -146,6 +151,7 @@ async def run_sync_session(
                 clock=clock,
                 run=run,
                 on_bucket=on_bucket,
+                quantization=quantization,
             ),
             timeout=timeouts.sync_s,
         )
@@ -183,8 +189,10 @@ async def _sync(
     clock: _PhaseClock,
     run: _Run,
     on_bucket: Callable[[BucketProgress], None] | None,
+    quantization: Fp8Block | None = None,
 ) -> None:
     run.selector = selector = await choose_selector(fleet.engines, source=source, inputs=inputs)
+    await check_quantization(fleet.engines, source=source, quantization=quantization)
     t = fleet.timeout_s
     # Which engines' answers the source can predict (engine-exact), decided before the pause.
     layouts = await plan_engine_digests(fleet.engines, selector=selector, timeout_s=t) if verify else FleetLayouts()
@@ -240,6 +248,19 @@ async def choose_selector(engines: Sequence[EngineAPI], *, source: WeightSource,
         shown = ", ".join(f"{url}: {s.value}" for url, s in choices.items())
         raise ValueError(f"engines need different selectors ({shown}); one session carries one selector")
     return next(iter(choices.values()))
+
+
+async def check_quantization(
+    engines: Sequence[EngineAPI], *, source: WeightSource, quantization: Fp8Block | None
+) -> None:
+    """Raise ValueError, before anything is sent, when an engine serves another quantization than the sync sends
+    (miles_sync.sync.quantization), naming the engine, a tensor and both dtypes."""
+    names = await source.exported_names()
+    paths = [None if e.info is None else e.info.model_path for e in engines]
+    configs = await asyncio.gather(*(asyncio.to_thread(read_model_config, p) for p in paths))
+    check_fleet_quantization(
+        [(e.url, e.info, c) for e, c in zip(engines, configs)], quantization=quantization, exported_names=names
+    )
 
 
 async def _send(

@@ -35,6 +35,7 @@ class SendResult:
     pack_s: float
     send_s: float
     engine_checksums: dict[EngineLayout, tuple[dict[str, str], ...]] = field(default_factory=dict)
+    quantize_s: float = 0.0  # block-FP8 quantization on the source, overlapped with sending (0 without it)
 
 
 @dataclass(frozen=True, kw_only=True)

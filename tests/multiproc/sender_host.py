@@ -35,6 +35,7 @@ class SenderSettings:
     # False: ignore the controller's engine-digest plan (as a source that cannot predict engine digests would), so
     # engines answering engine names are checked by replica agreement.
     predict_engine_digests: bool = True
+    quantization: Any = None  # a miles_sync.weights.fp8.Fp8Block: the sender quantizes to block FP8
     bucket_timeout_s: float = 20.0
     open_timeout_s: float = 20.0
     http_timeout_s: float = 20.0
@@ -49,6 +50,7 @@ class SenderSettings:
             open_timeout_s=self.open_timeout_s,
             http_timeout_s=self.http_timeout_s,
             call_timeout_s=self.open_timeout_s + self.bucket_timeout_s,
+            quantization=self.quantization,
         )
 
 

@@ -18,6 +18,12 @@ Storage model, mirroring an engine whose kernels read a physical layout:
   error. That is the behaviour of the real hook; guarding against it is the engine's finalize policy, not the
   runner's.
 
+- Block FP8 (a checkpoint whose config.json declares a block-FP8 `quantization_config`): every linear weight an FP8
+  checkpoint quantizes (`miles_sync.weights.fp8.is_quantized_weight`) is stored as float8_e4m3fn codes plus its
+  float32 `<name>_scale_inv` (both owned names, loaded by name like any other), and the forward reads their
+  dequantization (after undoing the layout, for a shuffled FP8 weight). The compute view of an unshuffled FP8
+  weight is rebuilt by the load that writes its codes or scales; of a shuffled one by finalize.
+
 All writes (load, finalize) happen under `weights_lock`, which the scheduler holds during every forward step.
 """
 
@@ -39,6 +45,17 @@ from miles_sync.engine.reference.models import (
     num_mtp_layers,
     read_config,
     read_safetensors,
+)
+from miles_sync.weights.fp8 import (
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    Fp8Block,
+    block_from_config,
+    dequantize,
+    is_quantized_weight,
+    scale_name,
+    scale_shape,
+    weight_name,
 )
 from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
@@ -74,6 +91,7 @@ class Runner:
         model: CausalLM | MTPHead,
         layout: WeightLayout = WeightLayout.NONE,
         weights_lock: threading.RLock | None = None,
+        quantization: Fp8Block | None = None,
     ) -> None:
         self.role = Role(role)
         self.model = model.eval().requires_grad_(False)
@@ -83,17 +101,37 @@ class Runner:
         self._expert_stacks = tuple(model.stack_expert_weights())
         self._params = model.hf_parameters()
         self._linear_names = model.linear_weight_names()
+        self.quantization = quantization
+        self._quantized = frozenset(
+            name for name in self._params if quantization is not None and is_quantized_weight(name)
+        )
         self._shuffled = frozenset(
             name
             for name in self._linear_names
-            if self._layout_spec.applies_to(self._params[name].shape, self._params[name].dtype)
+            if self._layout_spec.applies_to(self._params[name].shape, self._stored_dtype(name))
         )
-        # A shuffled weight needs its own physical buffer; every other stored tensor is the parameter itself.
-        self._stored = {
-            name: (p.detach().clone() if name in self._shuffled else p.detach()) for name, p in self._params.items()
-        }
+        # A shuffled or FP8 weight needs its own physical buffer; every other stored tensor is the parameter itself.
+        self._stored = {}
+        for name, p in self._params.items():
+            if name in self._quantized:
+                self._stored[name] = torch.zeros(p.shape, dtype=FP8_DTYPE)
+                self._stored[scale_name(name)] = torch.ones(scale_shape(p.shape, quantization.block), dtype=SCALE_DTYPE)
+            else:
+                self._stored[name] = p.detach().clone() if name in self._shuffled else p.detach()
         self._loaded: set[str] = set()
         self._epoch = 0
+
+    def _stored_dtype(self, name: str) -> torch.dtype:
+        return FP8_DTYPE if name in self._quantized else self._params[name].dtype
+
+    def _compute_view(self, name: str) -> torch.Tensor:
+        """What the forward reads for a shuffled or FP8 weight: the layout undone, then dequantized."""
+        stored = self._stored[name]
+        logical = self._layout_spec.undo(stored) if name in self._shuffled else stored
+        if name not in self._quantized:
+            return logical
+        block = self.quantization.block
+        return dequantize(logical, self._stored[scale_name(name)], block, dtype=self._params[name].dtype)
 
     # ---- what this runner owns ------------------------------------------------------------------------------
 
@@ -152,8 +190,16 @@ class Runner:
             for name, tensor in owned:
                 self._stored[name].copy_(tensor)
             self._loaded.update(name for name, _ in owned)
+            self._refresh_fp8({name for name, _ in owned})
             self._epoch += 1
         return [name for name, _ in owned]
+
+    def _refresh_fp8(self, names: set[str]) -> None:
+        """Rebuild the compute view of the unshuffled FP8 weights whose codes or scales are among `names` (a
+        shuffled one is rebuilt by finalize, once its bytes are in the layout)."""
+        weights = {weight_name(n) or n for n in names} & (self._quantized - self._shuffled)
+        for name in sorted(weights):
+            self._params[name].data.copy_(self._compute_view(name))
 
     def loaded_in_session(self) -> frozenset[str]:
         """Names loaded since the last `reset_session` (the fresh bytes a strict finalize may transform)."""
@@ -187,7 +233,7 @@ class Runner:
                     stored.copy_(self._layout_spec.apply(stored))
             # The kernel's view of the physical bytes: decoded from every shuffled weight, stale or not.
             for name in self._shuffled:
-                self._params[name].data.copy_(self._layout_spec.undo(self._stored[name]))
+                self._params[name].data.copy_(self._compute_view(name))
             self._epoch += 1
 
     def overwrite(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -210,6 +256,7 @@ class Runner:
         with self.weights_lock:  # one critical section: no forward sees new bytes under an old compute view
             for name, tensor in named:
                 self._stored[name].copy_(tensor)
+            self._refresh_fp8({name for name, _ in named})
             self.finalize([])  # no transform: only the compute view of the shuffled weights, and a new epoch
 
     def finalize_all(self) -> None:
@@ -262,8 +309,14 @@ def load_target_runner(
     path: str | os.PathLike, *, layout: WeightLayout = WeightLayout.NONE, weights_lock: threading.RLock | None = None
 ) -> Runner:
     """The target runner of a checkpoint directory; MTP names (`model.layers.N.*`) in it are ignored."""
-    model = CausalLM(read_config(path))
-    runner = Runner(role=Role.TARGET, model=model, layout=layout, weights_lock=weights_lock)
+    config = read_config(path)
+    runner = Runner(
+        role=Role.TARGET,
+        model=CausalLM(config),
+        layout=layout,
+        weights_lock=weights_lock,
+        quantization=block_from_config(config),
+    )
     return populate(runner, read_safetensors(path), source=str(path))
 
 
@@ -278,7 +331,13 @@ def load_mtp_runner(path: str | os.PathLike, *, target: Runner, layout: WeightLa
             f"named {prefix}*"
         )
     model = MTPHead(config)
-    runner = Runner(role=Role.DRAFT, model=model, layout=layout, weights_lock=target.weights_lock)
+    runner = Runner(
+        role=Role.DRAFT,
+        model=model,
+        layout=layout,
+        weights_lock=target.weights_lock,
+        quantization=block_from_config(config),
+    )
     return populate(runner, tensors, source=str(path))
 
 
@@ -286,8 +345,14 @@ def load_standalone_runner(
     path: str | os.PathLike, *, layout: WeightLayout = WeightLayout.NONE, weights_lock: threading.RLock | None = None
 ) -> Runner:
     """A standalone draft model (its own embedding, layers and lm_head under the usual HF names)."""
-    model = CausalLM(read_config(path))
-    runner = Runner(role=Role.DRAFT, model=model, layout=layout, weights_lock=weights_lock)
+    config = read_config(path)
+    runner = Runner(
+        role=Role.DRAFT,
+        model=CausalLM(config),
+        layout=layout,
+        weights_lock=weights_lock,
+        quantization=block_from_config(config),
+    )
     return populate(runner, read_safetensors(path), source=str(path))
 
 

@@ -13,6 +13,9 @@ Draft-role names carry the draft role's name as prefix ("draft." or "draft_step_
   tolerance comparison with allow_quant_error).
 - reset_tensors: as SGLang's test hook, copy random values (floats uniform in [0, 1)) into the stored bytes of
   every selected tensor, open session or not. The engine keeps serving them: nothing is marked or refused.
+Block FP8 (a runner with `quantization`): hf names answer the FP8 codes and the `weight_scale_inv` scales as stored
+(the bytes a sync sent); engine names answer, as SGLang's checker does, each FP8 parameter's bfloat16
+dequantization (layout undone first) under the weight's name, and no separate entry for its scales.
 `skip_tensor_list` holds substrings of the names of the naming mode (without the role prefix) to leave out, for
 every action; a fused engine parameter is skipped or kept whole.
 """
@@ -28,11 +31,13 @@ from miles_sync.weights.checksum import (
     engine_digest,
     role_checksums,
     sglang_engine_checksum,
+    sglang_fused_tensor,
     sglang_overall_checksum,
     sglang_parameter_names,
     sglang_reported_name,
     sglang_tensor_hash,
 )
+from miles_sync.weights.fp8 import scale_name, sglang_dequantized, weight_name
 from miles_sync.weights.layout import undo_layout
 from miles_sync.wire.protocol import (
     ChecksumNames,
@@ -121,7 +126,9 @@ class WeightsChecker:
         for runner, selected in self._selected(roles, skip):
             role_name = self._role_names[runner.role]
             with runner.weights_lock:
-                if self._names is ChecksumNames.ENGINE:
+                if self._names is ChecksumNames.ENGINE and getattr(runner, "quantization", None) is not None:
+                    answered = _fp8_engine_digests(runner, selected)
+                elif self._names is ChecksumNames.ENGINE:
                     stored = runner.stored_tensors()
                     answered = {
                         name: sglang_tensor_hash(_fused([stored[part] for part in parts]))
@@ -204,6 +211,27 @@ def _checker_parts(runner: Runner, names: ChecksumNames) -> _Parts:
     if names is ChecksumNames.ENGINE:
         return sglang_parameter_names(runner.owned_names())
     return {name: (name,) for name in runner.owned_names()}
+
+
+def _fp8_engine_digests(runner: Runner, selected: _Parts) -> dict[str, str]:
+    """Engine-name digests of a block-FP8 runner (SGLang's checker): a parameter whose parts all have scales is
+    hashed as its bfloat16 dequantization, the scales' own entries are left out, everything else as stored."""
+    stored = runner.stored_tensors()
+    shuffled = runner.shuffled_names() - runner.loaded_in_session()
+    answered = {}
+    for name, parts in selected.items():
+        if all(weight_name(part) is not None and weight_name(part) in stored for part in parts):
+            continue  # scales: compared through their weight
+        if all(scale_name(part) in stored for part in parts):
+            codes = [undo_layout(stored[p], runner.layout) if p in shuffled else stored[p] for p in parts]
+            scales = [stored[scale_name(p)] for p in parts]
+            fused = sglang_dequantized(
+                sglang_fused_tensor(name, codes), sglang_fused_tensor(name, scales), runner.quantization.block
+            )
+            answered[name] = sglang_tensor_hash(fused)
+        else:
+            answered[name] = sglang_tensor_hash(_fused([stored[part] for part in parts]))
+    return answered
 
 
 def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
