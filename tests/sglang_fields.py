@@ -22,7 +22,15 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CheckerFields", "derive_checker_fields", "vendored_checker_fields", "VENDORED_PATH"]
+__all__ = [
+    "CheckerFields",
+    "LoraFields",
+    "VENDORED_PATH",
+    "derive_checker_fields",
+    "derive_lora_fields",
+    "vendored_checker_fields",
+    "vendored_lora_fields",
+]
 
 VENDORED_PATH = Path(__file__).parent / "data" / "sglang_checker_fields.json"
 
@@ -162,3 +170,78 @@ def _constant_version(node: ast.AST) -> str:
     if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
         raise ValueError(f"{VERSION}: __version__ is not a string literal")
     return node.value
+
+
+# ---- LoRA adapter endpoints ------------------------------------------------------------------------------------
+
+LORA_VENDORED_PATH = Path(__file__).parent / "data" / "sglang_lora_fields.json"
+LORA_ROUTES = {
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraFields:
+    """SGLang's adapter records, fields in declaration order (without `BaseReq`'s IPC bookkeeping `rid` and
+    `http_worker_ipc`, which these classes inherit and never declare). `routes`: path -> the request class its
+    handler takes; both answer `LoRAUpdateOutput`. `generate_lora_field`: whether `GenerateReqInput` declares
+    `lora_path`, the field that selects an adapter."""
+
+    sglang_version: str
+    routes: dict[str, str]
+    load_from_tensors: tuple[str, ...]
+    unload: tuple[str, ...]
+    update_output: tuple[str, ...]
+    generate_has_lora_path: bool
+
+    def to_json(self) -> str:
+        return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> LoraFields:
+        raw = json.loads(text)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+def vendored_lora_fields() -> LoraFields:
+    return LoraFields.from_json(LORA_VENDORED_PATH.read_text())
+
+
+def derive_lora_fields(source: Path) -> LoraFields:
+    """The adapter records out of SGLang's source (a wheel or an unpacked directory); ValueError naming what is
+    missing."""
+    read = _reader(source)
+    io_struct = ast.parse(read(IO_STRUCT))
+    server = ast.parse(read(HTTP_SERVER))
+    routes = {}
+    for path, record in LORA_ROUTES.items():
+        handler = _route_handler(server, path)
+        annotations = [ast.unparse(arg.annotation) for arg in handler.args.args if arg.annotation is not None]
+        if not any(record in a for a in annotations):
+            raise ValueError(f"{HTTP_SERVER}: the handler of {path} takes none of {record} ({annotations})")
+        routes[path] = record
+    return LoraFields(
+        sglang_version=_version(ast.parse(read(VERSION))),
+        routes=routes,
+        load_from_tensors=_class_fields(io_struct, "LoadLoRAAdapterFromTensorsReqInput", IO_STRUCT),
+        unload=_class_fields(io_struct, "UnloadLoRAAdapterReqInput", IO_STRUCT),
+        update_output=_class_fields(io_struct, "LoRAUpdateOutput", IO_STRUCT),
+        generate_has_lora_path="lora_path" in _class_fields(io_struct, "GenerateReqInput", IO_STRUCT),
+    )
+
+
+def _route_handler(module: ast.Module, path: str) -> ast.AsyncFunctionDef | ast.FunctionDef:
+    """The function decorated with `@app.api_route(path, ...)` (or `@app.post(path)`)."""
+    for node in module.body:
+        if not isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if (
+                isinstance(decorator, ast.Call)
+                and decorator.args
+                and isinstance(decorator.args[0], ast.Constant)
+                and decorator.args[0].value == path
+            ):
+                return node
+    raise ValueError(f"{HTTP_SERVER} routes no handler at {path}")

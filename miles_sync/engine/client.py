@@ -36,10 +36,13 @@ from miles_sync.wire.protocol import (
     GenerateResponse,
     GenerationControlResult,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoRAUpdateResult,
     ModelInfo,
     PauseGenerationRequest,
     PauseMode,
     Selector,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
@@ -277,6 +280,30 @@ class EngineClient:
         if self._control_lock is None:
             self._control_lock = asyncio.Lock()
         return self._control_lock
+
+    async def load_lora_adapter_from_tensors(
+        self, request: LoadLoRAAdapterFromTensorsRequest, *, timeout_s: float | None = None
+    ) -> LoRAUpdateResult:
+        """Load a named adapter outside any update session; EngineError with the engine's error_message when it
+        refuses (SGLang answers 400 with success false: a checksum mismatch, a name already loaded, ...)."""
+        return await self._lora_call("/load_lora_adapter_from_tensors", request, timeout_s=timeout_s)
+
+    async def unload_lora_adapter(
+        self, request: UnloadLoRAAdapterRequest, *, timeout_s: float | None = None
+    ) -> LoRAUpdateResult:
+        return await self._lora_call("/unload_lora_adapter", request, timeout_s=timeout_s)
+
+    async def _lora_call(self, endpoint: str, request: object, *, timeout_s: float | None) -> LoRAUpdateResult:
+        async with self._lock():
+            status, body = await self._request("POST", endpoint, json_body=encode(request), timeout_s=timeout_s)
+        try:
+            result = decode(LoRAUpdateResult, json.loads(body), allow_unknown=True)
+        except ValueError:  # not SGLang's answer shape (e.g. a malformed request, 400 {success, message})
+            self._json_or_raise(endpoint, status, body)
+            raise EngineError(url=self.url, endpoint=endpoint, status=status, message=body) from None
+        if not result.success or not 200 <= status < 300:
+            raise EngineError(url=self.url, endpoint=endpoint, status=status, message=result.error_message or body)
+        return result
 
     async def _weight_call(self, endpoint: str, request: object, *, timeout_s: float | None) -> None:
         result = await self._control(endpoint, request, WeightUpdateResult, timeout_s=timeout_s)

@@ -37,6 +37,7 @@ async def generate_samples(
     *,
     sampling: SamplingParams,
     return_logprob: bool = False,
+    lora_path: str | None = None,
 ) -> tuple[Sample, ...]:
     """One completion per prompt from the engine behind `client`, requested concurrently (the engine batches
     them); each Sample carries the weight version the engine reported for it, and with `return_logprob` the
@@ -45,7 +46,9 @@ async def generate_samples(
     responses = await asyncio.gather(
         *(
             client.generate(
-                GenerateRequest(input_ids=tuple(p), sampling_params=sampling, return_logprob=return_logprob)
+                GenerateRequest(
+                    input_ids=tuple(p), sampling_params=sampling, return_logprob=return_logprob, lora_path=lora_path
+                )
             )
             for p in prompts
         )

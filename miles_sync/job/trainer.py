@@ -19,6 +19,7 @@ import torch
 
 from miles_sync.config import SyncConfig, TrainerConfig
 from miles_sync.export.registry import ConversionMode
+from miles_sync.megatron.lora import LoraSpec
 from miles_sync.sync.selector import selector_input_problems
 from miles_sync.sync.source import ModelSource, RankInfo
 from miles_sync.transport.base import FeedPlan
@@ -135,7 +136,11 @@ class TrainerWorker:
         feeds: FeedPlan | None = None,
         conversion: ConversionMode | str = ConversionMode.RAW,
         micro_batch_size: int | None = None,
+        lora: LoraSpec | None = None,
+        lora_flatten_min_bytes: int = 2**20,
     ) -> None:
+        """`lora`: train LoRA adapters on a frozen base (miles_sync.megatron.lora) and sync only them (the source's
+        `adapter_payload`); None trains and syncs every weight."""
         problems = []
         if not 0 <= rank < trainer.world_size:
             problems.append(f"rank={rank} is outside [0, {trainer.world_size}) (tp*pp*dp)")
@@ -169,6 +174,9 @@ class TrainerWorker:
         self._backend = backend
         self._feeds = feeds
         self._micro_batch_size = micro_batch_size
+        self._lora = lora
+        self._lora_flatten_min_bytes = lora_flatten_min_bytes
+        self._adapters: Any = None
         self._device = torch.device("cpu")
         self._store: Any = None
         self._model: Any = None
@@ -268,7 +276,14 @@ class TrainerWorker:
         load_hf_checkpoint(
             self._model, self._checkpoint_dir, converter=create_converter(hf_config.model_type, hf_config)
         )
-        self._optimizer = torch.optim.Adam(self._model.parameters(), lr=self._config.lr)
+        trained = self._model.parameters()
+        if self._lora is not None:
+            from miles_sync.export.megatron import model_chunks
+            from miles_sync.megatron.lora import apply_lora
+
+            self._adapters = apply_lora(model_chunks(self._model), self._lora, seed=self._seed)
+            trained = self._adapters.parameters()  # the base is frozen: the step trains the adapters only
+        self._optimizer = torch.optim.Adam(trained, lr=self._config.lr)
         # The same one call a pipeline with its own trainer makes: the controller reaches every rank through it.
         self._source = attach_model(
             self._model,
@@ -278,6 +293,8 @@ class TrainerWorker:
             collective_timeout_s=self._collective_timeout_s,
             feeds=self._feeds,
         )
+        if self._adapters is not None:
+            self._source.attach_adapters(self._adapters, flatten_min_bytes=self._lora_flatten_min_bytes)
         return self._source.describe()
 
     def train_step(self, batch: TrainBatch) -> TrainStepResult:
@@ -291,6 +308,7 @@ class TrainerWorker:
         """
         from megatron.core import parallel_state as ps
 
+        from miles_sync.megatron.lora import reduce_adapter_gradients
         from miles_sync.megatron.schedule import batch_totals, forward_backward, reduce_gradients
 
         if self._model is None or self._optimizer is None:
@@ -329,6 +347,8 @@ class TrainerWorker:
             micro_batch_size=micro_batch_size,
         )
         reduce_gradients(self._model)
+        if self._adapters is not None:
+            reduce_adapter_gradients(self._adapters)
         self._optimizer.step()
         self._num_steps += 1
         loss, mean_nll = batch_totals(local).tolist()

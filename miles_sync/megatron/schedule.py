@@ -180,7 +180,8 @@ def reduce_gradients(model: torch.nn.Module) -> None:
     embedding_group = ps.get_embedding_group(check_initialized=False)
     if is_shared and embedding_group is not None and dist.get_rank() in dist.get_process_group_ranks(embedding_group):
         weight = model.shared_embedding_or_output_weight()
-        _all_reduce_sum([weight.grad], group=embedding_group)
+        if weight.requires_grad:  # frozen under LoRA: no gradient to share
+            _all_reduce_sum([weight.grad], group=embedding_group)
 
 
 def batch_totals(local: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ __all__ = [
     "compare_checksums",
     "engine_digest",
     "logical_checksum",
+    "raw_sha256",
     "role_checksums",
     "sglang_engine_checksum",
     "sglang_fused_tensor",
@@ -54,6 +55,12 @@ def tensor_checksum(t: torch.Tensor) -> str:
     h = hashlib.sha256(header)
     h.update(data)
     return h.hexdigest()
+
+
+def raw_sha256(t: torch.Tensor) -> str:
+    """Plain SHA-256 hex of the raw bytes alone (no dtype or shape header): SGLang's LoRA `expected_checksums`."""
+    host = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+    return hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def logical_checksum(t: torch.Tensor, *, layout: WeightLayout | str) -> str:

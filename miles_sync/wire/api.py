@@ -15,8 +15,11 @@ from miles_sync.wire.protocol import (
     ChecksumNames,
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoRAUpdateResult,
     PauseMode,
     Selector,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     WeightsCheckerRequest,
@@ -67,6 +70,12 @@ class ServerInfo:
     miles_sync_checksum_names: ChecksumNames = ChecksumNames.ENGINE
     model_path: str | None = None
     weight_layout: str | None = None
+    # The served quantization, as SGLang's server_args name it ("fp8"; None: the checkpoint's dtype), the
+    # parameter dtype (a torch name; SGLang may answer "auto") and, for block FP8, the block [rows, cols] the
+    # engine expects (reference engine only). A sync checks its own quantization against them before the pause.
+    quantization: str | None = None
+    weight_block_size: tuple[int, ...] | None = None
+    dtype: str | None = None
 
 
 class EngineAPI(Protocol):
@@ -107,3 +116,10 @@ class EngineAPI(Protocol):
     async def pause_generation(self, mode: PauseMode, *, timeout_s: float | None = None) -> None: ...
     async def continue_generation(self, *, torch_empty_cache: bool = True, timeout_s: float | None = None) -> None: ...
     async def flush_cache(self, *, server_wait_s: float | None = None, timeout_s: float | None = None) -> None: ...
+    # LoRA adapters, outside any session (miles_sync.sync.lora): EngineError with the engine's error_message on refusal.
+    async def load_lora_adapter_from_tensors(
+        self, request: LoadLoRAAdapterFromTensorsRequest, *, timeout_s: float | None = None
+    ) -> LoRAUpdateResult: ...
+    async def unload_lora_adapter(
+        self, request: UnloadLoRAAdapterRequest, *, timeout_s: float | None = None
+    ) -> LoRAUpdateResult: ...

@@ -3,7 +3,7 @@
 Every record that crosses a process, HTTP or Ray boundary goes through these two functions, so there is one
 decoder to get right: wire bodies (miles_sync.wire.protocol), engine reports (miles_sync.sync.selector) and config
 (miles_sync.config). Supported field types: bool, int, float, str, None, str enums, nested records, tuple[X, ...],
-fixed tuples, list[X], dict[str, X], and unions of those.
+fixed tuples, list[X], dict[str, X], unions of those, and Any (any JSON value, passed through unchecked).
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def _decode_record(cls: type, obj: object, path: str, allow_unknown: bool) -> An
 
 
 def _decode_value(hint: Any, value: object, path: str, allow_unknown: bool) -> Any:
+    if hint is Any:  # an opaque JSON value passed through as decoded (a PEFT adapter_config, say)
+        return value
     origin = typing.get_origin(hint)
     if origin is typing.Union or origin is types.UnionType:
         return _decode_union(hint, value, path, allow_unknown)

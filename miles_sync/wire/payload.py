@@ -41,6 +41,7 @@ __all__ = [
     "PayloadError",
     "decode_payload",
     "encode_flattened_bucket",
+    "encode_named_tensor_dict",
     "encode_named_tensors",
     "segment_pid",
 ]
@@ -126,6 +127,18 @@ def encode_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     return _encode(pairs)
 
 
+def encode_named_tensor_dict(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """Payload of an adapter for load_format None: a pickled dict {name: tensor}, what SGLang's
+    `load_lora_adapter_from_tensors` reads (it indexes the payload by name). Same lifetime contract as
+    `encode_named_tensors`."""
+    pairs = {}
+    for name, tensor in named:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"expected (str, Tensor) pairs, got ({type(name).__name__}, {type(tensor).__name__})")
+        pairs[name] = tensor.detach()
+    return _encode(pairs)
+
+
 def encode_flattened_bucket(*, buffer: torch.Tensor, metadata: Sequence[FlattenedTensorMetadata]) -> str:
     """Payload for load_format "flattened_bucket": one uint8 buffer plus one metadata record per tensor.
 
@@ -139,8 +152,9 @@ def encode_flattened_bucket(*, buffer: torch.Tensor, metadata: Sequence[Flattene
     return _encode({"flattened_tensor": buffer.detach(), "metadata": list(metadata)})
 
 
-def decode_payload(data: Any, *, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+def decode_payload(data: Any, *, load_format: str | None, is_adapter: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Decode one TP rank's payload into (name, tensor) pairs in payload order; tensors view the producer's memory.
+    `is_adapter`: a LoRA adapter payload, whose load_format None form is a dict {name: tensor} (SGLang's).
 
     Raises PayloadError (a ValueError) naming the problem for bad base64, a global outside the allow-list, a wrong
     structure, a duplicate name, or flattened-bucket metadata that does not describe its buffer.
@@ -161,6 +175,10 @@ def decode_payload(data: Any, *, load_format: str | None) -> list[tuple[str, tor
         raise PayloadError(f"payload does not unpickle: {type(exc).__name__}: {exc}") from None
     if load_format == "flattened_bucket":
         named = _named_from_flattened(obj)
+    elif is_adapter:
+        if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+            raise PayloadError(f"an adapter payload must be a dict {{name: tensor}}, got {type(obj).__name__}")
+        named = _named_from_pairs(list(obj.items()))
     else:
         named = _named_from_pairs(obj)
     seen: set[str] = set()

@@ -16,6 +16,7 @@ import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from miles_sync.wire.codec import WireEnum, decode, encode
 from miles_sync.wire.text import allowed_values, raise_if
@@ -40,7 +41,9 @@ __all__ = [
     "GenerateResponse",
     "GenerationControlResult",
     "InitWeightsUpdateGroupRequest",
+    "LoRAUpdateResult",
     "LoadFormat",
+    "LoadLoRAAdapterFromTensorsRequest",
     "ModelInfo",
     "NORMAL_PATHS",
     "ParallelismInfo",
@@ -51,6 +54,7 @@ __all__ = [
     "SamplingParams",
     "Selector",
     "TokenLogprob",
+    "UnloadLoRAAdapterRequest",
     "UpdateWeightVersionRequest",
     "UpdateWeightsFromDistributedRequest",
     "UpdateWeightsFromTensorRequest",
@@ -274,6 +278,58 @@ class WeightsCheckerRequest:
     selector: Selector = Selector.ALL
 
 
+# ---- LoRA adapters ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadLoRAAdapterFromTensorsRequest:
+    """SGLang 0.5.23's `LoadLoRAAdapterFromTensorsReqInput`: an adapter sent as tensors, outside any update session
+    (it carries no selector; SGLang loads it into the target's LoRA manager only, never into a draft).
+
+    `serialized_named_tensors`: one base64 payload per engine TP rank, each holding the FULL adapter tensors in
+    PEFT names (SGLang's TP worker deserializes entry tp_rank and slices A/B itself). `config_dict`: the PEFT
+    adapter_config.json. `expected_checksums`: {tensor name: SHA-256 hex of its raw bytes}; every TP rank checks
+    the tensors it received (names must match exactly: missing and extra names fail too) before loading.
+    SGLang assigns `lora_id` itself; a name already loaded is refused ("already loaded"): unload it first.
+    """
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: tuple[str, ...]
+    pinned: bool = False
+    added_tokens_config: dict[str, int] | None = None
+    lora_id: str | None = None
+    load_format: LoadFormat | None = None
+    expected_checksums: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.lora_name:
+            problems.append("lora_name is empty")
+        if self.load_format is LoadFormat.DIRECT:
+            problems.append("load_format='direct' is not an adapter format; use null or 'flattened_bucket'")
+        raise_if(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnloadLoRAAdapterRequest:
+    """SGLang 0.5.23's `UnloadLoRAAdapterReqInput`."""
+
+    lora_name: str
+    lora_id: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAUpdateResult:
+    """SGLang 0.5.23's `LoRAUpdateOutput`, the answer of both adapter endpoints (HTTP 200, or 400 when `success` is
+    false). `loaded_adapters`: {lora_name: lora_path} of the adapters loaded after the call ("__tensor__" for
+    adapters loaded from tensors)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
+
+
 # ---- generation control ---------------------------------------------------------------------------------------
 
 
@@ -408,6 +464,8 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] | None = None
     return_text_in_logprobs: bool = False
+    # SGLang's GenerateReqInput.lora_path: the name of a loaded adapter to serve this request with (None: the base).
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if (self.input_ids is None) == (self.text is None):
@@ -479,6 +537,8 @@ ENDPOINTS: Mapping[str, type] = types.MappingProxyType(
         "/continue_generation": ContinueGenerationRequest,
         "/weights_checker": WeightsCheckerRequest,
         "/generate": GenerateRequest,
+        "/load_lora_adapter_from_tensors": LoadLoRAAdapterFromTensorsRequest,
+        "/unload_lora_adapter": UnloadLoRAAdapterRequest,
     }
 )
 
@@ -506,5 +566,7 @@ RESPONSES: Mapping[str, type] = types.MappingProxyType(
         "/weights_checker": WeightsCheckerResult,
         "/generate": GenerateResponse,
         "/model_info": ModelInfo,
+        "/load_lora_adapter_from_tensors": LoRAUpdateResult,
+        "/unload_lora_adapter": LoRAUpdateResult,
     }
 )

@@ -100,6 +100,21 @@ SAMPLES: dict[type, object] = {
         top_logprobs_num=2,
         token_ids_logprob=(5, 6),
         return_text_in_logprobs=True,
+        lora_path="policy",
+    ),
+    p.LoadLoRAAdapterFromTensorsRequest: p.LoadLoRAAdapterFromTensorsRequest(
+        lora_name="policy",
+        config_dict={"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "rank_pattern": {}},
+        serialized_named_tensors=("AAEC", "AwQF"),
+        pinned=True,
+        added_tokens_config={"<x>": 7},
+        lora_id="id-1",
+        load_format=p.LoadFormat.FLATTENED_BUCKET,
+        expected_checksums={"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": "ab" * 32},
+    ),
+    p.UnloadLoRAAdapterRequest: p.UnloadLoRAAdapterRequest(lora_name="policy", lora_id="id-1"),
+    p.LoRAUpdateResult: p.LoRAUpdateResult(
+        success=False, error_message="[LORA-CHECK] mismatch", loaded_adapters={"policy": "__tensor__"}
     ),
     p.FinishReason: p.FinishReason(type=p.FinishReasonKind.STOP, length=3, matched="</s>", message="m"),
     p.GenerateMetaInfo: p.GenerateMetaInfo(

@@ -29,8 +29,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from miles_sync.engine.reference.backend import AllocationError, EngineDown, LocalBackend, WeightBackend
+from miles_sync.engine.reference.lora import TENSOR_LORA_PATH
 from miles_sync.engine.reference.runner import Runner, dtype_str
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.settings import FinalizePolicy
@@ -49,10 +51,13 @@ from miles_sync.wire.protocol import (
     GenerationControlResult,
     InitWeightsUpdateGroupRequest,
     LoadFormat,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoRAUpdateResult,
     ModelInfo,
     PauseGenerationRequest,
     Role,
     Selector,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
@@ -104,7 +109,10 @@ class ReferenceEngine:
         checksum_names: ChecksumNames = ChecksumNames.HF,
         draft_role: str = Role.DRAFT.value,
         backend: WeightBackend | None = None,
+        adapters: Any = None,
     ) -> None:
+        """`adapters`: the LoRA adapters of the target (miles_sync.engine.reference.lora LocalAdapters or
+        RankAdapters; None: LoRA is not enabled, as SGLang without --enable-lora)."""
         draft_kind = DraftKind(draft_kind)
         problems = []
         try:
@@ -133,6 +141,7 @@ class ReferenceEngine:
         self._session: _Session | None = None
         self._last_failure: str | None = None
         self._draft_role = draft_role
+        self._adapters = adapters
         # TP=1 runners live here; a multi-rank engine passes the backend that drives its rank processes.
         self._backend: WeightBackend = backend or LocalBackend(
             self._runners, timeout_s=collective_timeout_s, checksum_names=checksum_names, draft_role=draft_role
@@ -408,6 +417,55 @@ class ReferenceEngine:
     def _record_failure(self, message: str) -> None:
         self._last_failure = message
         logger.warning("weight update failed: %s", message)
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------------------
+    # Outside any update session, as SGLang: an adapter load carries no selector, finalizes nothing, and reaches the
+    # target's adapters only (never a draft runner).
+
+    def load_lora_adapter_from_tensors(self, request: LoadLoRAAdapterFromTensorsRequest) -> LoRAUpdateResult:
+        """Load a named adapter; a refused load (checksums, config, name already loaded, shapes) answers success
+        false naming the problem and leaves every loaded adapter serving."""
+        adapters = self._require_adapters()
+        load_format = None if request.load_format is None else request.load_format.value
+        try:
+            with self._locked("load_lora_adapter_from_tensors"), self._runners[Role.TARGET].weights_lock:
+                adapters.load(
+                    request.lora_name,
+                    payloads=request.serialized_named_tensors,
+                    load_format=load_format,
+                    config_dict=request.config_dict,
+                    expected_checksums=request.expected_checksums,
+                    added_tokens_config=request.added_tokens_config,
+                )
+                self._scheduler.invalidate_cache()
+        except ValueError as exc:
+            logger.warning("load_lora_adapter_from_tensors %r refused: %s", request.lora_name, exc)
+            return LoRAUpdateResult(success=False, error_message=str(exc), loaded_adapters=self._loaded(adapters))
+        return LoRAUpdateResult(success=True, loaded_adapters=self._loaded(adapters))
+
+    def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> LoRAUpdateResult:
+        adapters = self._require_adapters()
+        try:
+            with self._locked("unload_lora_adapter"), self._runners[Role.TARGET].weights_lock:
+                adapters.unload(request.lora_name)
+                self._scheduler.invalidate_cache()
+        except ValueError as exc:
+            return LoRAUpdateResult(success=False, error_message=str(exc), loaded_adapters=self._loaded(adapters))
+        return LoRAUpdateResult(success=True, loaded_adapters=self._loaded(adapters))
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """Names of the loaded adapters (empty without LoRA)."""
+        return () if self._adapters is None else self._adapters.names
+
+    def _require_adapters(self) -> Any:
+        if self._adapters is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        return self._adapters
+
+    @staticmethod
+    def _loaded(adapters: Any) -> dict[str, str]:
+        return {name: TENSOR_LORA_PATH for name in adapters.names}
 
     # ---- update groups -----------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 
 from miles_sync.engine.command import LaunchCommand
-from miles_sync.engine.settings import EngineSettings, FinalizePolicy
+from miles_sync.engine.settings import EngineSettings, FinalizePolicy, LoraSettings
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
@@ -33,6 +33,7 @@ class ReferenceEngineSpec:
     collective_timeout_s: float | None = None  # None: the server's default (MILES_SYNC_COLLECTIVE_TIMEOUT_S)
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)  # the admin routes' key; a secret as well
+    lora: LoraSettings | None = None  # serve LoRA adapters (SGLang's --enable-lora and its room flags)
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ReferenceEngineSpec:
@@ -47,6 +48,7 @@ class ReferenceEngineSpec:
             collective_timeout_s=settings.collective_timeout_s,
             api_key=settings.api_key,
             admin_api_key=settings.admin_api_key,
+            lora=settings.lora,
         )
 
     def __post_init__(self) -> None:
@@ -97,6 +99,9 @@ class ReferenceEngineSpec:
             argv += ["--threads", str(self.num_threads)]
         if self.collective_timeout_s is not None:
             argv += ["--collective-timeout-s", str(self.collective_timeout_s)]
+        if self.lora is not None:
+            argv += ["--enable-lora", "--max-lora-rank", str(self.lora.max_rank)]
+            argv += ["--lora-target-modules", *self.lora.target_modules]
         # Keys travel in the environment, never on the command line (readable by every local user).
         keys = ((ENGINE_API_KEY_VARIABLE, self.api_key), (ENGINE_ADMIN_API_KEY_VARIABLE, self.admin_api_key))
         secrets = {variable: key for variable, key in keys if key is not None}

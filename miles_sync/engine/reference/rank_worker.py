@@ -16,6 +16,7 @@ A request is a (op, kwargs) tuple; the answer is ("ok", value) or ("error", kind
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import traceback
@@ -28,8 +29,10 @@ import torch
 import torch.distributed as dist
 
 from miles_sync.engine.reference.backend import AllocationError, LocalBackend
+from miles_sync.engine.reference.lora import AdapterSet, PreparedAdapter, build_adapter_set
 from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.sharded import ShardedRunner, load_sharded_runners
+from miles_sync.engine.settings import LoraSettings
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.bucket import BucketEntry
 from miles_sync.wire.dtypes import dtype_name
@@ -56,6 +59,7 @@ class RankArgs:
     draft_role: str
     collective_timeout_s: float
     num_threads: int | None
+    lora: LoraSettings | None = None  # None: LoRA not enabled
 
 
 class _Rank:
@@ -75,6 +79,10 @@ class _Rank:
             tp_size=args.tp_size,
         )
         self._staged: list | None = None  # one payload at a time: the front serializes weight operations
+        self._adapters: AdapterSet | None = None
+        if args.lora is not None:
+            self._adapters = build_adapter_set(target.model, args.lora, tp_rank=args.tp_rank, tp_size=args.tp_size)
+        self._prepared: PreparedAdapter | None = None
 
     def metadata(self) -> dict[str, Any]:
         """The full HF metadata of every runner, for the front's validation (the same on every rank)."""
@@ -91,11 +99,38 @@ class _Rank:
 
     # ---- compute ------------------------------------------------------------------------------------------------
 
-    def forward(self, *, role: str, input_ids: torch.Tensor) -> LMOutput | None:
+    def forward(
+        self, *, role: str, input_ids: torch.Tensor, lora_rows: list[str | None] | None = None
+    ) -> LMOutput | None:
         runner = self._runners[Role(role)]
-        with runner.weights_lock, torch.inference_mode():
+        serving = contextlib.nullcontext() if lora_rows is None else self._adapter_set().active(lora_rows)
+        with runner.weights_lock, torch.inference_mode(), serving:
             out = runner.model(input_ids)
         return out if self._args.tp_rank == 0 else None
+
+    # ---- adapters (two-phase: every rank prepares, then every rank installs or drops) ---------------------------
+
+    def prepare_adapter(self, *, name: str, payload: Any, **fields: Any) -> int:
+        self._prepared = None
+        self._prepared = self._adapter_set().prepare(name, payload=payload, **fields)
+        return self._prepared.num_bytes
+
+    def drop_prepared_adapter(self) -> None:
+        self._prepared = None
+
+    def install_adapter(self) -> None:
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            raise ValueError("no prepared adapter to install")
+        self._adapter_set().install(prepared)
+
+    def remove_adapter(self, *, name: str) -> None:
+        self._adapter_set().remove(name)
+
+    def _adapter_set(self) -> AdapterSet:
+        if self._adapters is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        return self._adapters
 
     def mtp(self, *, next_ids: torch.Tensor, hidden: torch.Tensor) -> LMOutput | None:
         target, head = self._runners[Role.TARGET], self._runners[Role.DRAFT]

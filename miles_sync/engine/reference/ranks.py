@@ -180,6 +180,7 @@ def start_rank_engine(
     draft_role: str,
     collective_timeout_s: float,
     num_threads: int | None,
+    lora: Any = None,
 ) -> tuple[RankFleet, dict[str, Any]]:
     """Start the rank processes and wait until every rank loaded its shards; returns the fleet and rank 0's
     metadata (the full HF names, shapes and dtypes per role). Raises ValueError naming the refusal of any rank
@@ -201,6 +202,7 @@ def start_rank_engine(
             draft_role=draft_role,
             collective_timeout_s=collective_timeout_s,
             num_threads=num_threads,
+            lora=lora,
         )
         child_ends = {name: child for name, (_, child) in pipes.items()}
         process = context.Process(target=rank_main, args=(args, child_ends), name=f"tp-rank-{tp_rank}", daemon=True)

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,6 +111,7 @@ class Scheduler:
         weight_version: str = "default",
         tokenizer: TextCodec | None = None,
         spec_window: int = 64,
+        adapters: Any = None,
     ) -> None:
         kind = str(getattr(draft_kind, "value", draft_kind))
         problems = []
@@ -143,6 +145,9 @@ class Scheduler:
         self._stopping = False
         self._in_step = False
         self._weight_version = weight_version
+        # LoRA adapters of the target (reference/lora.py; None: not enabled). Only the target's forward serves them:
+        # a speculative draft proposes with its own weights, as in SGLang.
+        self._adapters = adapters
         self._spec_window: collections.deque[tuple[int, int]] = collections.deque(maxlen=spec_window)
         self._thread = threading.Thread(target=self._loop, name="reference-scheduler", daemon=True)
         self._thread.start()
@@ -189,6 +194,14 @@ class Scheduler:
                 f"the model's max_position_embeddings {self._max_positions}"
             )
         problems += logprob_problems(request)
+        if request.lora_path is not None:
+            if self._adapters is None:
+                problems.append(f"lora_path {request.lora_path!r}: LoRA is not enabled (--enable-lora)")
+            elif request.lora_path not in self._adapters.names:
+                problems.append(
+                    f"lora_path {request.lora_path!r}: the following requested LoRA adapters are not loaded "
+                    f"(loaded: {sorted(self._adapters.names)})"
+                )
         if problems:
             raise ValueError("invalid generate request: " + "; ".join(problems))
         return prompt
@@ -344,7 +357,11 @@ class Scheduler:
                 ]
                 proposals = self._proposer.propose(inputs)
             rows = [s.token_ids + p for s, p in zip(batch, proposals)]
-            out = self._target.model(pad_right(rows))
+            lora_rows = [s.request.lora_path for s in batch]
+            if self._adapters is not None and any(name is not None for name in lora_rows):
+                out = self._adapters.forward(self._target.model, pad_right(rows), lora_rows)
+            else:
+                out = self._target.model(pad_right(rows))
             keep_hidden = self._proposer is not None and self._proposer.needs_target_hidden
             results = []
             for b, (seq, proposal) in enumerate(zip(batch, proposals)):

@@ -35,21 +35,31 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from aiohttp import web
 
 from miles_sync.engine.reference.engine import ReferenceEngine
+from miles_sync.engine.reference.fp8_checkpoint import fp8_serving_problems
+from miles_sync.engine.reference.lora import (
+    LORA_TARGET_MODULES,
+    LocalAdapters,
+    RankAdapters,
+    build_adapter_set,
+)
 from miles_sync.engine.reference.models import load_tokenizer, read_config
 from miles_sync.engine.reference.ranks import RankBackend, RankRunnerView, start_rank_engine
 from miles_sync.engine.reference.runner import DRAFT_KINDS, load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.server import ServerSettings, create_app
-from miles_sync.engine.settings import FinalizePolicy
+from miles_sync.engine.settings import FinalizePolicy, LoraSettings
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, read_environment
 from miles_sync.weights.engine_layout import TPShape, tp_problems
+from miles_sync.weights.fp8 import block_from_config
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.dtypes import config_dtype, dtype_name
 from miles_sync.wire.protocol import ChecksumNames, Role
 
 __all__ = ["DRAFT_ROLES", "build_engine", "main", "parse_args"]
@@ -96,6 +106,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--collective-timeout-s", type=float, default=env.collective_timeout_s)
     parser.add_argument("--generate-timeout-s", type=float, default=600.0)
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded from tensors")
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank accepted")
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=list(LORA_TARGET_MODULES),
+        help="leaf names of the linear modules adapters may target",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     problems = []
@@ -111,6 +129,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         problems.append(f"--port {args.port} is not a TCP port")
     if args.threads is not None and args.threads < 1:
         problems.append(f"--threads {args.threads} must be >= 1")
+    if args.enable_lora and args.max_lora_rank < 1:
+        problems.append(f"--max-lora-rank {args.max_lora_rank} must be >= 1")
     if args.api_key is not None and not args.api_key:
         problems.append("--api-key is empty")
     if args.admin_api_key is not None and not args.admin_api_key:
@@ -122,14 +142,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def build_engine(args: argparse.Namespace) -> ReferenceEngine:
     """Load the runners (finalized once, as at start-up), start the scheduler, wrap both in the engine."""
+    _check_quantization(args)
     if args.tp_size > 1:
         return _build_rank_engine(args)
     layout = WeightLayout(args.weight_layout)
     target, draft = load_runners(args.model, draft_kind=args.draft_kind, draft_path=args.draft, layout=layout)
-    return _engine(args, target, draft)
+    settings = _lora_settings(args)
+    adapters = None if settings is None else LocalAdapters(build_adapter_set(target.model, settings))
+    return _engine(args, target, draft, adapters=adapters)
 
 
-def _engine(args: argparse.Namespace, target, draft, *, backend: RankBackend | None = None) -> ReferenceEngine:
+def _lora_settings(args: argparse.Namespace) -> LoraSettings | None:
+    if not args.enable_lora:
+        return None
+    return LoraSettings(max_rank=args.max_lora_rank, target_modules=tuple(args.lora_target_modules))
+
+
+def _engine(
+    args: argparse.Namespace, target, draft, *, backend: RankBackend | None = None, adapters: Any = None
+) -> ReferenceEngine:
     """The scheduler over `target`/`draft` (runners, or a multi-rank engine's views of them) and the engine."""
     scheduler = Scheduler(
         target=target,
@@ -137,6 +168,7 @@ def _engine(args: argparse.Namespace, target, draft, *, backend: RankBackend | N
         draft_kind=args.draft_kind,
         spec_steps=args.spec_steps,
         tokenizer=load_tokenizer(args.model),
+        adapters=adapters,
     )
     return ReferenceEngine(
         target=target,
@@ -150,6 +182,7 @@ def _engine(args: argparse.Namespace, target, draft, *, backend: RankBackend | N
         checksum_names=ChecksumNames(args.checksum_names),
         draft_role=args.draft_role,
         backend=backend,
+        adapters=adapters,
     )
 
 
@@ -175,6 +208,7 @@ def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
         draft_role=args.draft_role,
         collective_timeout_s=args.collective_timeout_s,
         num_threads=args.threads,
+        lora=_lora_settings(args),
     )
     try:
         lock = threading.RLock()  # the front's weights lock: forward steps and weight writes, across all ranks
@@ -184,19 +218,37 @@ def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
             draft = RankRunnerView(
                 fleet, role=Role.DRAFT, config=draft_config, metadata=metadata["draft"], weights_lock=lock
             )
-        return _engine(args, target, draft, backend=RankBackend(fleet, weights_lock=lock))
+        adapters = None if not args.enable_lora else RankAdapters(fleet)
+        return _engine(args, target, draft, backend=RankBackend(fleet, weights_lock=lock), adapters=adapters)
     except BaseException:
         fleet.close()
         raise
 
 
+def _check_quantization(args: argparse.Namespace) -> None:
+    """A block-FP8 checkpoint: SGLang's block/partition size check at --tp-size, before anything loads."""
+    config = read_config(args.model).to_dict()
+    if block_from_config(config) is None:
+        return
+    problems = fp8_serving_problems(config, tp_size=args.tp_size)
+    if args.tp_size > 1:
+        problems.append(f"the reference engine serves block FP8 at --tp-size 1 only, not {args.tp_size}")
+    if problems:
+        raise ValueError(f"cannot serve the block-FP8 checkpoint {args.model}: " + "; ".join(problems))
+
+
 async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
+    config = read_config(args.model)
+    block = block_from_config(config)
     settings = ServerSettings(
         model_path=str(args.model),
         draft_kind=args.draft_kind,
         weight_layout=args.weight_layout,
         spec_steps=args.spec_steps,
         generate_timeout_s=args.generate_timeout_s,
+        quantization=None if block is None else "fp8",
+        weight_block_size=None if block is None else block.block,
+        dtype=dtype_name(config_dtype(config)),
     )
     app = create_app(engine, settings=settings, api_key=args.api_key, admin_api_key=args.admin_api_key)
     runner = web.AppRunner(app, access_log=None)

@@ -46,8 +46,10 @@ from miles_sync.wire.protocol import (
     FlushCacheRequest,
     GenerateRequest,
     GenerateResponse,
+    LoadLoRAAdapterFromTensorsRequest,
     PauseGenerationRequest,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
 )
 
 __all__ = [
@@ -147,6 +149,11 @@ class ServerSettings:
     spec_steps: int
     generate_timeout_s: float
     health_timeout_s: float = 30.0
+    # SGLang's server_args keys: the checkpoint's quantization ("fp8" for block FP8, else None) and parameter
+    # dtype; `weight_block_size` is the block-FP8 block ([rows, cols]) this engine expects a sync to send.
+    quantization: str | None = None
+    weight_block_size: tuple[int, int] | None = None
+    dtype: str | None = None
 
 
 def create_app(
@@ -242,6 +249,9 @@ def create_app(
                 "speculative_num_steps": settings.spec_steps if settings.draft_kind != "none" else None,
                 "draft_kind": settings.draft_kind,
                 "weight_layout": settings.weight_layout,
+                "quantization": settings.quantization,
+                "weight_block_size": None if settings.weight_block_size is None else list(settings.weight_block_size),
+                "dtype": settings.dtype,
                 "finalize_policy": engine.finalize_policy.value,
                 CHECKSUM_NAMES_KEY: engine.checksum_names.value,
                 "version": f"miles_sync-reference-{__version__}",
@@ -255,6 +265,18 @@ def create_app(
             }
         )
 
+    async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
+        body = decode(LoadLoRAAdapterFromTensorsRequest, await _json_body(request))
+        result = await in_thread(engine.load_lora_adapter_from_tensors, body)
+        return _json(encode(result), status=200 if result.success else 400)  # SGLang's status rule
+
+    async def unload_lora_adapter(request: web.Request) -> web.Response:
+        body = decode(UnloadLoRAAdapterRequest, await _json_body(request))
+        result = await in_thread(engine.unload_lora_adapter, body)
+        return _json(encode(result), status=200 if result.success else 400)
+
+    app.router.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
+    app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/pause_generation", pause_generation)
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/flush_cache", flush_cache)
