@@ -8,7 +8,7 @@ from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.draft import DraftKind
 
-__all__ = ["EngineSettings", "FinalizePolicy"]
+__all__ = ["EngineSettings", "FinalizePolicy", "LoraSettings"]
 
 
 class FinalizePolicy(WireEnum):
@@ -22,11 +22,44 @@ class FinalizePolicy(WireEnum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """An engine that serves LoRA adapters loaded later (from tensors, at every sync): the adapter shape it reserves
+    room for at start. `target_modules` are SGLang's module names (`q_proj`, `gate_up_proj`, ... or `all` alone);
+    `max_loras_per_batch` / `max_loaded_loras`: None keeps the engine's default (SGLang: 8 / unlimited)."""
+
+    max_rank: int
+    target_modules: tuple[str, ...]
+    max_loras_per_batch: int | None = None
+    max_loaded_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_rank < 1:
+            problems.append(f"max_rank={self.max_rank} must be at least 1")
+        modules = list(self.target_modules)
+        if not modules or any(not m.strip() for m in modules) or len(set(modules)) != len(modules):
+            problems.append(f"target_modules={modules} must name distinct modules, at least one")
+        if "all" in modules and len(modules) > 1:
+            problems.append(f"target_modules={modules}: 'all' must be the only module")
+        for name in ("max_loras_per_batch", "max_loaded_loras"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name}={value} must be at least 1 (or None)")
+        per_batch, loaded = self.max_loras_per_batch, self.max_loaded_loras
+        if loaded is not None and loaded < (8 if per_batch is None else per_batch):  # SGLang's rule, its default 8
+            problems.append(f"max_loaded_loras={loaded} must be at least max_loras_per_batch ({per_batch or 8})")
+        if problems:
+            raise ValueError("invalid LoraSettings: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineSettings:
-    """One engine's launch inputs. Options a kind has no use for are ignored by its spec (SGLang reads its draft,
-    layout and finalize behaviour from its own flags)."""
+    """One engine's launch inputs. Options a kind has no use for are ignored by its spec: SGLang has no flag for
+    the weight layout, the finalize policy or a collective timeout; the reference engine names its draft by
+    `draft_kind` alone and serves no LoRA adapters."""
 
     model_dir: str
+    speculative_algorithm: str | None = None  # SGLang's name (NEXTN, EAGLE, ...); None: no speculative decoding
     draft_kind: DraftKind = DraftKind.NONE
     draft_dir: str | None = None  # standalone drafts only
     weight_layout: WeightLayout = WeightLayout.NONE
@@ -36,6 +69,7 @@ class EngineSettings:
     collective_timeout_s: float | None = None
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)
+    lora: LoraSettings | None = None  # None: the engine serves the base model only
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

@@ -1,6 +1,17 @@
-"""The `sglang` engine kind: an SGLang server (`python -m sglang.launch_server`) on a GPU node.
+"""The `sglang` engine kind: an SGLang 0.5.23 server (`sglang.launch_server`) on a GPU node.
 
-SGLang needs a port up front, so the spec asks the OS for a free one right before the start.
+The command line is built from the launch settings, flag by flag (the README's table maps each config key to its
+flag; tests/unit/test_sglang_command.py parses every command with the flags SGLang's parser defines). SGLang needs
+a port up front, so the spec asks the OS for a free one on the bind host right before the start. The keys travel
+in the environment and `miles_sync.engine.sglang_launch` hands them to SGLang inside its process, never on the
+command line.
+
+What the sync needs from the server and why no flag asks for it: the weight-update routes
+(`/init_weights_update_group`, `/update_weights_from_distributed`, `/update_weights_from_tensor`, the session and
+`/weights_checker` routes) are always on in 0.5.23; they refuse data parallelism (dp_size must stay 1, the
+default); the update group takes no timeout flag. `--load-format dummy` is never used: a frozen draft is left out of
+every sync, so its weights must come from the checkpoint. `--enable-memory-saver` serves
+release/resume_memory_occupation, which miles_sync does not call.
 """
 
 from __future__ import annotations
@@ -9,17 +20,73 @@ import sys
 from dataclasses import dataclass, field
 
 from miles_sync.engine.command import LaunchCommand, reserve_port, url_host
-from miles_sync.engine.settings import EngineSettings
+from miles_sync.engine.settings import EngineSettings, LoraSettings
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
+from miles_sync.wire.draft import DraftKind
 
-__all__ = ["SGLangEngineSpec"]
+__all__ = ["SGLANG_DRAFT_KINDS", "SGLANG_LAUNCH_MODULE", "SGLangEngineSpec", "sglang_speculative_problems"]
+
+# SGLang's algorithm names and the drafts each runs: NEXTN is EAGLE over the MTP layers of the target checkpoint;
+# EAGLE takes those (DeepSeek-style MTP) or a separate EAGLE head; EAGLE3 and STANDALONE a separate draft model;
+# NGRAM drafts from the request's own history (no draft model).
+SGLANG_DRAFT_KINDS: dict[str, frozenset[DraftKind]] = {
+    "NEXTN": frozenset({DraftKind.MTP}),
+    "EAGLE": frozenset({DraftKind.MTP, DraftKind.STANDALONE}),
+    "EAGLE3": frozenset({DraftKind.STANDALONE}),
+    "STANDALONE": frozenset({DraftKind.STANDALONE}),
+    "NGRAM": frozenset({DraftKind.NGRAM}),
+}
+SGLANG_LAUNCH_MODULE = "miles_sync.engine.sglang_launch"  # the entry point that hands SGLang its keys
+# Flags extra_args may not give besides those built here: the keys (they travel in the environment) and SGLang's
+# other spellings of built flags.
+_RESERVED_FLAGS = frozenset(
+    {"--api-key", "--admin-api-key", "--model", "--tensor-parallel-size", "--speculative-draft-model"}
+)
+# SGLang 0.5.23 runs LoRA adapters with these algorithms only (`check_lora_speculative_compatibility`).
+_LORA_ALGORITHMS = frozenset({"NEXTN", "EAGLE", "EAGLE3", "NGRAM"})
+
+
+def sglang_speculative_problems(
+    *, speculative_algorithm: str | None, draft_kind: DraftKind | str, has_lora: bool = False
+) -> list[str]:
+    """What SGLang 0.5.23 would refuse (or run differently from what miles_sync assumes) about a speculative setup;
+    empty when it is fine. Pure; shared by the spec and the config check."""
+    kind = DraftKind(draft_kind)
+    if speculative_algorithm is None:
+        if kind is DraftKind.NONE:
+            return []
+        return [f"draft_kind={kind.value!r} needs a speculative_algorithm (SGLang's {', '.join(SGLANG_DRAFT_KINDS)})"]
+    algorithm = speculative_algorithm.upper()  # SGLang upper-cases the name before it resolves it
+    kinds = SGLANG_DRAFT_KINDS.get(algorithm)
+    if kinds is None:
+        return [
+            f"speculative_algorithm={speculative_algorithm!r} has no SGLang launch mapping here; use one of "
+            f"{', '.join(SGLANG_DRAFT_KINDS)} (NEXTN for MTP layers in the target checkpoint)"
+        ]
+    problems = []
+    if kind not in kinds:
+        allowed = " or ".join(sorted(repr(k.value) for k in kinds))
+        problems.append(f"speculative_algorithm={algorithm!r} runs draft_kind {allowed}, not {kind.value!r}")
+    if has_lora and algorithm not in _LORA_ALGORITHMS:
+        problems.append(
+            f"SGLang serves LoRA adapters with speculative_algorithm {', '.join(sorted(_LORA_ALGORITHMS))} "
+            f"or none, not {algorithm!r}"
+        )
+    return problems
 
 
 @dataclass(frozen=True, kw_only=True)
 class SGLangEngineSpec:
-    """An SGLang server (GPU nodes). `extra_args` go to `sglang.launch_server` as they are."""
+    """An SGLang server (GPU nodes). `extra_args` go to `sglang.launch_server` as they are, after the flags built
+    here (none of which they may repeat)."""
 
     model_path: str
     tp_size: int = 1
+    speculative_algorithm: str | None = None  # SGLang's name; None: no speculative decoding
+    draft_kind: DraftKind = DraftKind.NONE
+    draft_model_path: str | None = None  # a separate draft checkpoint (draft_kind standalone only)
+    spec_steps: int = 3  # tokens the draft proposes per verify step
+    lora: LoraSettings | None = None
     extra_args: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)  # SGLang's --admin-api-key; a secret as well
@@ -29,32 +96,95 @@ class SGLangEngineSpec:
         return cls(
             model_path=settings.model_dir,
             tp_size=settings.tp_size,
+            speculative_algorithm=settings.speculative_algorithm,
+            draft_kind=settings.draft_kind,
+            draft_model_path=settings.draft_dir,
+            spec_steps=settings.spec_steps,
+            lora=settings.lora,
             api_key=settings.api_key,
             admin_api_key=settings.admin_api_key,
         )
 
     def __post_init__(self) -> None:
+        problems = []
         if self.tp_size < 1:
-            raise ValueError(f"invalid SGLangEngineSpec: tp_size={self.tp_size} must be at least 1")
+            problems.append(f"tp_size={self.tp_size} must be at least 1")
+        if self.spec_steps < 1:
+            problems.append(f"spec_steps={self.spec_steps} must be at least 1")
+        problems += sglang_speculative_problems(
+            speculative_algorithm=self.speculative_algorithm,
+            draft_kind=self.draft_kind,
+            has_lora=self.lora is not None,
+        )
+        is_standalone = DraftKind(self.draft_kind) is DraftKind.STANDALONE
+        if is_standalone and self.draft_model_path is None:
+            problems.append("draft_kind='standalone' needs draft_model_path (the draft's checkpoint)")
+        if not is_standalone and self.draft_model_path is not None:
+            problems.append(f"draft_model_path={self.draft_model_path!r} applies to draft_kind 'standalone' only")
+        for what, key in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key)):
+            if key is not None and not key:
+                problems.append(f"{what} must be None or a non-empty string")
+        if self.admin_api_key is not None and self.api_key is None:
+            # SGLang opens its normal routes to everyone when only the admin key is set, and /server_info (one of
+            # them) answers every server argument, the admin key included.
+            problems.append("admin_api_key needs api_key as well: without it SGLang's /server_info shows it to anyone")
+        if problems:
+            raise ValueError("invalid SGLangEngineSpec: " + "; ".join(problems))
+        built = {arg for arg in self._flags(host="127.0.0.1", port=0, with_extra=False) if arg.startswith("--")}
+        repeated = sorted({arg.partition("=")[0] for arg in self.extra_args} & (built | _RESERVED_FLAGS))
+        if repeated:
+            raise ValueError(f"invalid SGLangEngineSpec: extra_args repeat flags built here: {', '.join(repeated)}")
 
     def command(self, *, host: str) -> LaunchCommand:
+        """Bind `host` (the node's address, or loopback) on a port free there now; the URL is known in advance."""
         port = reserve_port(host)
-        argv = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            self.model_path,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--tp-size",
-            str(self.tp_size),
-            *self.extra_args,
+        argv = [sys.executable, "-m", SGLANG_LAUNCH_MODULE, *self._flags(host=host, port=port)]
+        keys = ((ENGINE_API_KEY_VARIABLE, self.api_key), (ENGINE_ADMIN_API_KEY_VARIABLE, self.admin_api_key))
+        secrets = {variable: key for variable, key in keys if key is not None}
+        return LaunchCommand(argv=tuple(argv), url=f"http://{url_host(host)}:{port}", env=secrets)
+
+    def _flags(self, *, host: str, port: int, with_extra: bool = True) -> list[str]:
+        """SGLang's arguments but the keys, in the README table's order."""
+        flags = ["--host", host, "--port", str(port), "--model-path", self.model_path, "--tp-size", str(self.tp_size)]
+        flags += self._speculative_flags()
+        if self.lora is not None:
+            flags += _lora_flags(self.lora)
+        return [*flags, *(self.extra_args if with_extra else ())]
+
+    def _speculative_flags(self) -> list[str]:
+        if self.speculative_algorithm is None:
+            return []
+        algorithm = self.speculative_algorithm.upper()
+        flags = ["--speculative-algorithm", algorithm]
+        # SGLang verifies the last accepted token plus the drafted ones: k drafted tokens make a window of k + 1.
+        num_draft_tokens = str(self.spec_steps + 1)
+        if algorithm == "NGRAM":  # drafts from a token trie; SGLang derives its steps and breadth itself
+            return [*flags, "--speculative-num-draft-tokens", num_draft_tokens]
+        # MTP layers live in the target checkpoint. SGLang fills that path in by itself only for the architectures
+        # it lists (DeepSeek-V3 and kin) and needs it for every other one, so it is always given (same value).
+        is_mtp = DraftKind(self.draft_kind) is DraftKind.MTP
+        draft = self.model_path if is_mtp else self.draft_model_path
+        assert draft is not None  # __post_init__: standalone drafts name their checkpoint
+        # A chain (top-k 1), as the reference engine drafts: SGLang then needs num_draft_tokens == steps + 1.
+        return [
+            *flags,
+            "--speculative-draft-model-path",
+            draft,
+            "--speculative-num-steps",
+            str(self.spec_steps),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            num_draft_tokens,
         ]
-        if self.api_key is not None:  # SGLang reads its keys from the command line only
-            argv += ["--api-key", self.api_key]
-        if self.admin_api_key is not None:
-            argv += ["--admin-api-key", self.admin_api_key]
-        return LaunchCommand(argv=tuple(argv), url=f"http://{url_host(host)}:{port}")
+
+
+def _lora_flags(lora: LoraSettings) -> list[str]:
+    """Room for adapters loaded later from tensors: SGLang needs the rank and target modules up front when no
+    adapter is given at start (`--lora-paths`)."""
+    flags = ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--lora-target-modules", *lora.target_modules]
+    if lora.max_loras_per_batch is not None:
+        flags += ["--max-loras-per-batch", str(lora.max_loras_per_batch)]
+    if lora.max_loaded_loras is not None:
+        flags += ["--max-loaded-loras", str(lora.max_loaded_loras)]
+    return flags
