@@ -1,0 +1,287 @@
+"""Projected sync time, pause window and peak extra memory of one sync, per transport, from costs and a layout.
+
+Notation: S bytes exported (all stages), T tensors, K buckets (ceil of each stage's bytes over the bucket size), E
+engines of `engine_tp` ranks each (R = E x engine_tp receiving ranks), m / h the memcpy / hash rates, B the link.
+
+Per stage source (stages export concurrently):
+  gather   = TP-sharded bytes x (tp-1)/tp / B_gather + expert bytes x (1 - 1/(ep x etp)) / B_gather
+             (B_gather = the intra-node link when a stage's model-parallel ranks, max(tp, ep x etp), fit in a node,
+             else the inter-node link)
+  source   = gather + S_stage / m (pack); the sender's digests (S_stage / h, when verifying) run on a thread of
+             their own while the bucket is on the wire
+Transports:
+  broadcast (one source): stages 1.. ship their bytes to stage 0's source first (the PP hop, over the inter-node
+             link when the stages span nodes), then one source broadcasts everything:
+             link = sum over buckets of t_bcast(bucket, R)   (miles_sync.sizing.collective)
+  per_stage (one source per stage): no PP hop; each stage source broadcasts its own share over its own group. An
+             engine takes one update group at a time (SGLang and miles_sync.sync.pipeline), so the stages' transfers
+             follow one another; their exports and packing run concurrently, a later stage packing ahead and holding
+             its packed share until its turn: done_s = max(done_{s-1}, source_s + digests_s) + link_s + load_s.
+  colocated (per node): each node's trainer ranks hand their engines IPC handles (CUDA IPC; shared memory here),
+             no broadcast; a node first receives the bytes its own trainer ranks do not hold (stages on other nodes)
+             over the inter-node link; so with the model-parallel group inside a node it does not depend on B.
+  load     = S / engine_tp / load per engine rank (its shard out of each received bucket; `load` is fitted)
+  send     = pipeline(source, max(link + load, digests), K) + K x per_bucket + T x per_tensor, where
+             pipeline(A, L, K) = (A + L) / K + (K-1)/K x (max(A, L) + overlap x min(A, L))
+             (double buffering: the source packs bucket i+1 while bucket i is on the wire and being loaded)
+  verify   = S / engine_tp / h (each engine rank hashes its weights), when verifying
+  sync     = per_sync + per_engine x E + send + verify; the pause window is all of it.
+Staged (`staged=True`): export, gather, packing (into freshly allocated memory, at the `fresh_copy` rate: every
+packed bucket is kept, so no buffer is reused) and the sender's digests run before the pause (stage_s = source
+time of the largest stage, or of the one source), so the pause window holds only link + load, the per-call costs
+and the engines' verification, and the sender holds every packed byte of its stage(s) until the send.
+Shared cores (`shared_cores`, the fit machine's case): processes compete for cores, so every engine-side term is
+scaled by max(1, R / cores) and the send is at least all CPU work (pack, hash, loads) over the cores.
+Peak extra memory: sender 2 buckets (double buffer) or, staged, its packed stage; each engine rank one bucket
+(its receive buffer) for broadcasts, none for colocated (it maps the sender's buffer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from miles_sync.sizing.collective import BroadcastAlgorithm, broadcast_seconds
+from miles_sync.sizing.costs import Costs
+from miles_sync.sizing.shapes import ExportDtype, ModelShape
+
+__all__ = ["Cluster", "EngineLayout", "Projection", "TrainerLayout", "Transport", "project", "stage_of_layer"]
+
+
+class Transport(str, Enum):
+    BROADCAST = "broadcast"  # one source, every stage gathered to it
+    PER_STAGE = "per_stage"  # one source per pipeline stage, concurrent exports
+    COLOCATED = "colocated"  # per node, IPC handles, no broadcast
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1  # expert tensor parallelism (Megatron's expert_tensor_parallel_size)
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "ep", "etp") if getattr(self, k) < 1]
+        if bad:
+            raise ValueError(f"trainer layout sizes must be >= 1: {', '.join(bad)}")
+
+    @property
+    def stage_width(self) -> int:
+        """Ranks one stage's model-parallel group spans (one data-parallel replica's worth)."""
+        return max(self.tp, self.ep * self.etp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLayout:
+    count: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.tp < 1:
+            raise ValueError(f"engine layout needs count >= 1 and tp >= 1, got count={self.count} tp={self.tp}")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.count * self.tp
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """`link_gbps`: one rank's inter-node link (GB/s); `intra_gbps`: within a node (NVLink); `gpus_per_node`."""
+
+    link_gbps: float
+    intra_gbps: float | None = None  # None: the same as link_gbps
+    gpus_per_node: int = 8
+    shared_cores: int | None = None  # every process shares this many cores (the fit machine); None on a cluster
+    shares_nic: bool = True  # a source's concurrent sends share one NIC; False on loopback (collective.py)
+    latency_s: float | None = None  # per message and hop; None: the one fitted with the costs
+
+    def __post_init__(self) -> None:
+        if not self.link_gbps > 0 or (self.intra_gbps is not None and not self.intra_gbps > 0):
+            raise ValueError(f"link bandwidths must be > 0, got link={self.link_gbps} intra={self.intra_gbps}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+    @property
+    def intra(self) -> float:
+        return self.link_gbps if self.intra_gbps is None else self.intra_gbps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Projection:
+    transport: Transport
+    sync_s: float
+    pause_s: float
+    stage_s: float  # before the pause (staged); 0 otherwise
+    sender_extra_bytes: int
+    engine_rank_extra_bytes: int
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+    terms: dict[str, float]  # seconds per term, summed over stages where they follow one another
+
+    @property
+    def pause_fraction(self) -> float:
+        return self.pause_s / self.sync_s if self.sync_s > 0 else 0.0
+
+
+def stage_of_layer(layer: int, *, num_layers: int, pp: int) -> int:
+    """Megatron's even split: the embedding (layer -1) on the first stage, the head and MTP on the last."""
+    if layer < 0:
+        return 0
+    if layer >= num_layers:
+        return pp - 1
+    return min(pp - 1, layer * pp // num_layers)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    num_bytes: int
+    num_tensors: int
+    tp_bytes: int  # TP-sharded, not expert
+    expert_bytes: int
+
+
+def _stages(shape: ModelShape, *, dtype: ExportDtype, pp: int) -> list[_Stage]:
+    acc = [[0, 0, 0, 0] for _ in range(pp)]
+    for g in shape.groups:
+        s = acc[stage_of_layer(g.layer, num_layers=shape.num_layers, pp=pp)]
+        n = g.num_bytes(dtype)
+        s[0] += n
+        s[1] += g.num_tensors(dtype)
+        s[2] += n if g.is_tp_sharded and not g.is_expert else 0
+        s[3] += n if g.is_expert else 0
+    return [_Stage(*a) for a in acc]
+
+
+def _pipeline(source_s: float, sink_s: float, *, num_buckets: int, overlap: float) -> float:
+    k = max(1, num_buckets)
+    return (source_s + sink_s) / k + (k - 1) / k * (max(source_s, sink_s) + overlap * min(source_s, sink_s))
+
+
+def project(
+    shape: ModelShape,
+    *,
+    transport: Transport,
+    trainer: TrainerLayout,
+    engines: EngineLayout,
+    cluster: Cluster,
+    costs: Costs,
+    dtype: ExportDtype = ExportDtype.BF16,
+    bucket_bytes: int = 1 << 30,
+    verify: bool = True,
+    staged: bool = False,
+    algorithm: BroadcastAlgorithm | None = None,
+) -> Projection:
+    """One sync of `shape` under `transport`, broadcasting with `algorithm` (default: the one `costs` were fitted
+    with). Pure; see the module docstring for every term."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    stages = _stages(shape, dtype=dtype, pp=trainer.pp)
+    total = sum(s.num_bytes for s in stages)
+    memcpy, hasher = costs.memcpy_gbps * 1e9, costs.hash_gbps * 1e9
+    ranks = engines.num_ranks
+    fits_node = trainer.stage_width <= cluster.gpus_per_node
+    gather_bw = (cluster.intra if fits_node else cluster.link_gbps) * 1e9
+    stages_share_node = trainer.stage_width * trainer.pp <= cluster.gpus_per_node
+    hop_bw = (cluster.intra if stages_share_node else cluster.link_gbps) * 1e9
+    # Processes sharing cores (the fit machine): engine-side work queues behind the other ranks'.
+    contention = 1.0 if cluster.shared_cores is None else max(1.0, ranks / cluster.shared_cores)
+
+    def gather_s(s: _Stage) -> float:
+        tp_part = s.tp_bytes * (trainer.tp - 1) / trainer.tp
+        ep_part = s.expert_bytes * (1 - 1 / (trainer.ep * trainer.etp))
+        return (tp_part + ep_part) / gather_bw
+
+    fresh = costs.fresh_copy_gbps * 1e9
+
+    def prep_s(num_bytes: int) -> float:  # the source's packing; a staged one packs into fresh memory and hashes
+        if staged:
+            return num_bytes / fresh + (num_bytes / hasher if verify else 0.0)
+        return num_bytes / memcpy
+
+    # Seconds per byte sent, per engine rank (the ranks load in parallel).
+    load_one = 1.0 / engines.tp / (costs.load_gbps * 1e9) * contention
+
+    def link_s(num_bytes: int, num_buckets: int) -> float:
+        if transport is Transport.COLOCATED:
+            return 0.0
+        bucket = num_bytes / max(1, num_buckets)
+        one = broadcast_seconds(
+            bucket,
+            num_receivers=ranks,
+            link_gbps=cluster.link_gbps,
+            algorithm=costs.algorithm if algorithm is None else algorithm,
+            latency_s=costs.link_latency_s if cluster.latency_s is None else cluster.latency_s,
+            shares_nic=cluster.shares_nic,
+        )
+        return one * num_buckets
+
+    # The sources of this transport: (bytes, tensors, source seconds before the first byte leaves).
+    if transport is Transport.PER_STAGE:
+        sources = [(s.num_bytes, s.num_tensors, gather_s(s)) for s in stages]
+        hop = 0.0
+    else:
+        hop_bytes = sum(s.num_bytes for s in stages[1:])
+        if transport is Transport.COLOCATED:
+            # A node lacks the stages on other nodes: 1 - 1/(nodes one replica spans) of the bytes.
+            nodes = max(1, math.ceil(trainer.stage_width * trainer.pp / cluster.gpus_per_node))
+            hop_bytes = int(total * (1 - 1 / nodes))
+            hop_bw = cluster.link_gbps * 1e9 if nodes > 1 else hop_bw
+        hop = hop_bytes / hop_bw
+        sources = [(total, sum(s.num_tensors for s in stages), max(gather_s(s) for s in stages) + hop)]
+    terms = dict.fromkeys(("gather", "pp_hop", "pack", "hash", "link", "load", "verify", "per_call"), 0.0)
+    terms["pp_hop"] = hop
+    send = stage_total = 0.0  # send: when the last source's last bucket is loaded, from the first export
+    num_buckets = 0
+    for index, (num_bytes, num_tensors, gather) in enumerate(sources):
+        k = max(1, math.ceil(num_bytes / bucket_bytes))
+        num_buckets += k
+        source = gather + prep_s(num_bytes)
+        link = link_s(num_bytes, k)
+        load = num_bytes * load_one
+        digests = num_bytes / hasher if verify and not staged else 0.0  # own thread, while the bucket is sent
+        sink = max(link + load, digests)
+        calls = k * costs.per_bucket_s + num_tensors * costs.per_tensor_s
+        if staged:
+            stage_total = max(stage_total, source)  # stages pack concurrently, before the pause
+            send += sink + calls
+        elif index > 0:  # a later stage packed ahead while the earlier ones sent; its turn is send + load only
+            send = max(send, source + digests) + link + load + calls
+        else:
+            send = _pipeline(source, sink, num_buckets=k, overlap=costs.overlap) + calls
+            if cluster.shared_cores is not None:  # all CPU work over the cores bounds it from below
+                cpu = prep_s(num_bytes) + digests + num_bytes / (costs.load_gbps * 1e9) * ranks / engines.tp
+                send = max(send, cpu / cluster.shared_cores + calls)
+        terms["gather"] += gather - (hop if transport is not Transport.PER_STAGE else 0.0)
+        terms["pack"] += num_bytes / (fresh if staged else memcpy)
+        terms["hash"] += num_bytes / hasher if verify else 0.0
+        terms["link"] += link
+        terms["load"] += load
+        terms["per_call"] += calls
+    verify_s = total / engines.tp / hasher * contention if verify else 0.0
+    fixed = costs.per_sync_s + costs.per_engine_s * engines.count
+    terms["verify"] = verify_s
+    terms["per_call"] += fixed
+    pause = fixed + send + verify_s
+    bucket = min(bucket_bytes, max(s.num_bytes for s in stages))
+    if staged:
+        sender_extra = total if transport is not Transport.PER_STAGE else max(s.num_bytes for s in stages)
+    elif transport is Transport.PER_STAGE and len(stages) > 1:  # a later stage holds its packed share
+        sender_extra = max(2 * bucket, max(s.num_bytes for s in stages[1:]))
+    else:
+        sender_extra = 2 * bucket
+    return Projection(
+        transport=transport,
+        sync_s=stage_total + pause,
+        pause_s=pause,
+        stage_s=stage_total,
+        sender_extra_bytes=sender_extra,
+        engine_rank_extra_bytes=0 if transport is Transport.COLOCATED else bucket,
+        num_bytes=total,
+        num_tensors=shape.num_tensors(dtype),
+        num_buckets=num_buckets,
+        terms=terms,
+    )
