@@ -13,8 +13,7 @@ from typing import Any
 import ray
 
 from actors.remote_source import RemoteTrainerSource
-from miles_sync.config import ModelConfig, SyncConfig
-from miles_sync.env import read_environment
+from miles_sync.config import ModelConfig, SyncConfig, SyncMode
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT
 from miles_sync.sync.controller import GroupSettings, SyncController
 from miles_sync.sync.sender import SenderSettings
@@ -29,7 +28,7 @@ def controller_args(
     engine_urls: Sequence[str],
     sync: SyncConfig,
     model: ModelConfig,
-    master_address: str,
+    master_address: str | None = None,
     api_key: str | None = None,
     admin_api_key: str | None = None,
     attachment: str = DEFAULT_ATTACHMENT,
@@ -51,6 +50,7 @@ def controller_args(
         admin_api_key=admin_api_key,
         device=device,
         hash_buckets=sync.verify,
+        quantization=sync.quantization_spec,
     )
     source = RemoteTrainerSource(
         trainers=trainers, settings=settings, attachment=attachment, control_timeout_s=sync.http_timeout_s
@@ -75,6 +75,8 @@ def controller_args(
         "api_key": api_key,
         "admin_api_key": admin_api_key,
         "show_progress": show_progress,
+        "quantization": sync.quantization_spec,
+        "lora_name": sync.lora.name if sync.mode is SyncMode.LORA else None,
     }
 
 
@@ -98,7 +100,8 @@ def create_controller(
 
     `trainers`: the trainer actors in rank order, each of whose processes called `attach_model`. Raises what
     `connect` raised (e.g. an engine without the session endpoints, named) after ending the actor.
-    `master_address`: where the update group meets (default: the MILES_SYNC_HOST environment setting).
+    `master_address`: where the update group meets (default None: on the source rank's node, at the address that
+    rank binds).
     Then `ray.get(controller.sync.remote(), timeout=...)` runs one sync and returns its SyncReport
     (`sync.remote(raise_on_failure=False)` returns a failed one instead of raising SyncError), and
     `controller.status.remote()` reads its ControllerStatus.
@@ -108,7 +111,7 @@ def create_controller(
         engine_urls=engine_urls,
         sync=sync,
         model=model,
-        master_address=read_environment().host if master_address is None else master_address,
+        master_address=master_address,
         api_key=api_key,
         admin_api_key=admin_api_key,
         attachment=attachment,

@@ -15,14 +15,22 @@ from typing import Any
 
 import ray
 
+from miles_sync.env import node_of_url
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT, attached_source
 from miles_sync.sync.engine_digests import EngineDigestPlan
+from miles_sync.sync.lora import AdapterPayload
 from miles_sync.sync.pipeline import PipelineSource
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.source import RankInfo, RankSendResult
 from miles_sync.sync.weight_source import SendResult, StageResult
-from miles_sync.transport.base import EngineEndpoint, GroupMembership
+from miles_sync.transport.base import (
+    EngineEndpoint,
+    FeedPlan,
+    GroupMembership,
+    feed_node_problems,
+    transport_spec,
+)
 from miles_sync.wire.protocol import Selector
 
 __all__ = ["RemoteTrainerSource", "StageSource", "plan_stages"]
@@ -118,9 +126,47 @@ class RemoteTrainerSource:
     async def exported_names(self) -> tuple[str, ...]:
         return await self._stages().exported_names()
 
+    async def adapter_payload(self, *, tp_sizes: Sequence[int]) -> AdapterPayload:
+        """The LoRA adapter for engines of `tp_sizes` (miles_sync.sync.lora): every rank gathers, the export source
+        answers the payload."""
+        results = await self._calls.on_all(
+            self._trainers, "adapter_payload", timeout_s=self._calls.rank_timeout_s, tp_sizes=list(tp_sizes)
+        )
+        payloads = [r for r in results if r is not None]
+        if len(payloads) != 1:
+            raise RuntimeError(f"expected the adapter from exactly one trainer rank, got {len(payloads)}")
+        return payloads[0]
+
+    async def release_adapter(self) -> None:
+        await self._calls.on_all(self._trainers, "release_adapter", timeout_s=self._calls.control_timeout_s)
+
+    def check_engines(self, engines: Sequence[EngineEndpoint]) -> None:
+        """Raise ValueError, naming each engine and node, when the colocated transport would feed an engine from a
+        trainer rank on another node (`transport.base.feed_node_problems`); a no-op for other transports. The
+        controller calls it once it knows the engines (at connect), and every `open` does."""
+        if not transport_spec(self._calls.settings.transport).feeds_from_every_rank or not self._ranks:
+            return
+        nodes = {info.rank: info.node for info in self._ranks}
+        trainer_nodes = [nodes.get(r, "?") for r in range(max(nodes) + 1)]
+        engine_nodes = [node_of_url(e.url) for e in engines]
+        problems = []
+        for source in (info for info in self._ranks if info.is_source):
+            plan = source.feeds
+            if plan is None:  # the stage's source feeds every engine rank itself
+                plan = FeedPlan.single_source(
+                    tp_sizes=[e.tp_size for e in engines], rank=source.rank, num_trainers=len(trainer_nodes)
+                )
+            if len(plan.engines) == len(engines):  # a count mismatch is the plan's own check, at open
+                problems += feed_node_problems(
+                    plan=plan, trainer_nodes=trainer_nodes, engines=engines, engine_nodes=engine_nodes
+                )
+        if problems:
+            raise ValueError("the colocated transport cannot feed every engine on its own node: " + "; ".join(problems))
+
     async def open(
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
     ) -> GroupMembership | None:
+        self.check_engines(engines)
         return await self._stages().open(engines=engines, membership=membership)
 
     async def send(

@@ -1,7 +1,8 @@
 """Trainer actors: one `miles_sync.sync.source.TrainerWorker` per Megatron rank, wrapped with `ray.remote` here.
 
-`create_trainers` starts every rank (in its placement bundle when given one), lets rank 0 host the trainer group's
-rendezvous store on loopback, and sets every rank up at once (they join one gloo group, so setup is collective).
+`create_trainers` starts every rank (in its placement bundle when given one), each adopting its node's address
+(actors.node), lets rank 0 host the trainer group's rendezvous store at its node's address, and sets every rank up at
+once (they join one gloo group, so setup is collective).
 """
 
 from __future__ import annotations
@@ -12,26 +13,38 @@ from typing import Any
 
 import ray
 
+from actors.node import NodeAddress, adopt_node_address, node_address_of
 from actors.placement import PlacedGroups
 from miles_sync.config import TrainerConfig
 from miles_sync.export.registry import ConversionMode
 from miles_sync.job.placement import Resources
 from miles_sync.job.trainer import CompletionLogprobs, ScoreBatch, TrainBatch, TrainerWorker, TrainStepResult
+from miles_sync.megatron.lora import LoraSpec
 from miles_sync.sync.source import RankInfo
 from miles_sync.transport.base import FeedPlan
 
-__all__ = ["DEFAULT_TRAINER_RESOURCES", "TrainerGroup", "create_trainers"]
+__all__ = ["DEFAULT_TRAINER_RESOURCES", "NodeTrainerWorker", "TrainerGroup", "create_trainers"]
 
 # A sliver of a CPU: on small machines every actor must schedule, and a rank's work is bounded by its threads.
 DEFAULT_TRAINER_RESOURCES = Resources(num_cpus=0.01)
 
 
+class NodeTrainerWorker(TrainerWorker):
+    """A TrainerWorker that first adopts its node's address (actors.node): the trainer group's store, the update
+    groups it hosts as a stage source and the colocated fan-out bind there. `bind_host`: `cluster.bind_host`."""
+
+    def __init__(self, *, bind_host: str | None = None, **kwargs: Any) -> None:
+        self.node_address = adopt_node_address(bind_host)
+        super().__init__(**kwargs)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerGroup:
-    """The trainer actors in rank order, and what each rank reported at setup."""
+    """The trainer actors in rank order, what each rank reported at setup, and the node each rank runs on."""
 
     actors: tuple[Any, ...]
     ranks: tuple[RankInfo, ...]
+    nodes: tuple[NodeAddress, ...] = ()
 
     def train_step(self, batch: TrainBatch, *, timeout_s: float) -> tuple[TrainStepResult, ...]:
         """One optimizer step on every rank with the same batch."""
@@ -63,7 +76,7 @@ def create_trainers(
     seed: int = 0,
     placement: PlacedGroups | None = None,
     resources: Resources = DEFAULT_TRAINER_RESOURCES,
-    master_address: str = "127.0.0.1",
+    bind_host: str | None = None,
     env_vars: Mapping[str, str] | None = None,
     num_threads: int | None = 1,
     backend: str | None = None,
@@ -72,22 +85,24 @@ def create_trainers(
     feeds: FeedPlan | None = None,
     max_concurrency: int = 1,
     conversion: ConversionMode | str = ConversionMode.RAW,
+    lora: LoraSpec | None = None,
+    lora_flatten_min_bytes: int = 2**20,
 ) -> TrainerGroup:
     """Start `trainer.world_size` trainer actors and set them up; raises (after killing them) if any rank fails.
 
-    `backend`: the trainer group's (None: nccl where CUDA is available, else gloo). `env_vars` go into every
-    rank's environment (default: GLOO_SOCKET_IFNAME=lo when `master_address` is
-    loopback, so the trainer group's gloo sockets stay on loopback). `feeds`: the colocated feed plan every rank
+    `backend`: the trainer group's (None: nccl where CUDA is available, else gloo). Every rank binds its node's
+    address (`bind_host`: an explicit override for all, `cluster.bind_host`), with the gloo/NCCL interface derived
+    from it (miles_sync.env); rank 0 hosts the trainer group's store there. `env_vars` go into every rank's
+    environment. `feeds`: the colocated feed plan every rank
     follows with the colocated transport (`placement.plan_colocated_feeds(placement.plan)`); None feeds every
     engine rank from the export source. `max_concurrency`: calls a rank's actor runs at once; 1 suffices (bucket
     progress is pushed to the controller, nothing polls a rank), more lets a caller query a rank mid-send.
     `conversion`: how every rank exports its weights (`sync.conversion`: raw converters or megatron-bridge).
+    `lora`: train LoRA adapters on a frozen base and sync only them (`sync.mode=lora`); None: every weight.
     `timeout_s` bounds start-up and set-up; `collective_timeout_s` (None: `timeout_s`) every rank's collectives
     after set-up (training steps and syncs; `sync.collective_timeout_s`), so a rank whose peer died fails sooner.
     """
-    if env_vars is None:
-        env_vars = {"GLOO_SOCKET_IFNAME": "lo"} if master_address in ("127.0.0.1", "localhost") else {}
-    remote_class = ray.remote(TrainerWorker)
+    remote_class = ray.remote(NodeTrainerWorker)
     actors = []
     for rank in range(trainer.world_size):
         options = resources.as_actor_options() if placement is None else placement.trainer_options(rank)
@@ -96,6 +111,7 @@ def create_trainers(
         options["max_concurrency"] = max_concurrency
         actors.append(
             remote_class.options(**options).remote(
+                bind_host=bind_host,
                 rank=rank,
                 trainer=trainer,
                 checkpoint_dir=checkpoint_dir,
@@ -107,9 +123,13 @@ def create_trainers(
                 backend=backend,
                 feeds=feeds,
                 conversion=conversion,
+                lora=lora,
+                lora_flatten_min_bytes=lora_flatten_min_bytes,
             )
         )
     try:
+        nodes = [node_address_of(a, timeout_s=timeout_s) for a in actors]
+        master_address = nodes[0].bind_host
         port = ray.get(actors[0].host_store.remote(host=master_address), timeout=timeout_s)
         infos = ray.get(
             [a.setup.remote(master_address=master_address, master_port=port) for a in actors], timeout=timeout_s
@@ -118,4 +138,4 @@ def create_trainers(
         for actor in actors:
             ray.kill(actor)
         raise
-    return TrainerGroup(actors=tuple(actors), ranks=tuple(infos))
+    return TrainerGroup(actors=tuple(actors), ranks=tuple(infos), nodes=tuple(nodes))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -34,13 +35,14 @@ from actors.placement import PlacedGroups, create_placement_groups
 from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
 from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
 from launch.cluster import connect_ray
-from miles_sync.config import MilesSyncConfig, TrainerConfig
+from miles_sync.config import MilesSyncConfig, SyncMode, TrainerConfig
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.kinds import engine_spec
 from miles_sync.engine.reference.checkpoints import BUILT_IN_ARCHS, cached_checkpoints
+from miles_sync.engine.reference.fp8_checkpoint import default_block, fp8_checkpoint, fp8_serving_problems
 from miles_sync.engine.rollout import Sample, generate_samples
-from miles_sync.env import read_environment
-from miles_sync.job.placement import PlacementLayout, plan_colocated_feeds, plan_placement
+from miles_sync.env import node_of_url, read_environment
+from miles_sync.job.placement import PlacementLayout, Resources, plan_colocated_feeds, plan_placement
 from miles_sync.job.rl import grpo_batch, make_prompts, mean_accept_length, reward, rule_share, sampling_seed
 from miles_sync.job.run_report import (
     BaselineRecord,
@@ -57,6 +59,8 @@ from miles_sync.job.run_report import (
     write_png,
 )
 from miles_sync.job.trainer import ScoreBatch
+from miles_sync.megatron.lora import LoraSpec
+from miles_sync.sync.lora import adapter_name
 from miles_sync.sync.report import ProgressBar, SyncReport
 from miles_sync.transport.base import FeedPlan, transport_spec
 from miles_sync.wire.protocol import SamplingParams
@@ -88,9 +92,11 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
     baseline: BaselineRecord | None = None
     rounds: list[RoundRecord] = []
     status = "completed"
+    nodes: dict[str, Any] = {}
     try:
         with connect_ray(config.cluster) as connection, _Fleet.start(config, log=log) as fleet:
             log(f"ray {'local cluster' if connection.is_local else 'cluster'} at {connection.address}")
+            nodes = fleet.nodes
             version = fleet.weight_version()
             samples = fleet.rollouts(0)
             stats = fleet.rollout_stats(samples, version=version)
@@ -121,7 +127,7 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
             status=status,
             config=config_record(config),
             packages=package_versions(),
-            machine=_machine(),
+            machine={**_machine(), "nodes": nodes},
             baseline=baseline,
             rounds=tuple(rounds),
         )
@@ -156,6 +162,7 @@ def start_job_actors(
         engine_log_dir = Path(config.output_dir) / config.run_name / "engine-logs"
     with contextlib.ExitStack() as stack:
         checkpoint = _checkpoint_dir(config, log=log)
+        config = _resolve_fp8_block(config, checkpoint, log=log)
         _check_checkpoint(config, checkpoint)  # what the trainers could not split or export fails before placement
         placed = _placement(config)
         if placed is not None:
@@ -178,10 +185,13 @@ def start_job_actors(
                 num_trained_mtp_layers=config.model.num_trained_mtp_layers,
                 seed=config.seed,
                 placement=placed,
+                bind_host=config.cluster.bind_host,
                 timeout_s=_START_TIMEOUT_S,
                 collective_timeout_s=config.sync.collective_timeout_s,
                 feeds=feeds,
                 conversion=config.sync.conversion,
+                lora=_lora_spec(config),
+                lora_flatten_min_bytes=config.sync.lora.flatten_min_bytes,
             )
             stack.callback(trainers.shutdown)
             engines = engine_start.result()
@@ -201,7 +211,11 @@ def start_job_actors(
         sources = [info for info in trainers.ranks if info.is_source]  # one per pipeline stage
         log(
             f"fleet ready: {len(urls)} engine(s), {len(trainers.actors)} trainer rank(s), "
-            f"{sum(info.num_exported_tensors for info in sources)} tensors per sync"
+            + (
+                f"{sum(info.num_exported_tensors for info in sources)} tensors per sync"
+                if config.sync.mode is SyncMode.FULL
+                else "the LoRA adapter per sync (sync.mode=lora; the base is never sent)"
+            )
             + (f" from {len(sources)} pipeline stages (one update group each)" if len(sources) > 1 else "")
         )
         yield JobActors(urls=tuple(urls), engines=engines, trainers=trainers, controller=controller)
@@ -218,20 +232,35 @@ class _Fleet:
         trainers: TrainerGroup,
         controller: Any,
         log: Callable[[str], None],
+        nodes: dict[str, Any] | None = None,
     ) -> None:
         self._config = config
         self._urls = tuple(urls)
+        self.nodes = {} if nodes is None else nodes  # where each trainer rank and engine runs (report.json)
         self._trainers = trainers
         self._controller = controller
         self._log = log
         self._sync_timeout_s = config.sync.sync_timeout_s + _ROUND_MARGIN_S
+        # sync.mode=lora: rollouts name the adapter of the last committed version (adapter_name) once a sync loaded
+        # one (before that the engines serve the base, which a fresh adapter, B = 0, leaves unchanged).
+        self._lora_path: str | None = None
         self._show_progress = sys.stderr.isatty()
 
     @classmethod
     @contextlib.contextmanager
     def start(cls, config: MilesSyncConfig, *, log: Callable[[str], None]) -> Iterator[_Fleet]:
         with start_job_actors(config, log=log) as actors:
-            yield cls(config, urls=actors.urls, trainers=actors.trainers, controller=actors.controller, log=log)
+            nodes = node_record(actors.trainers, actors.engines, urls=actors.urls)
+            log("nodes: " + ", ".join(f"trainer rank {r['rank']} on {r['node']}" for r in nodes["trainer_ranks"]))
+            log("nodes: " + ", ".join(f"engine {e['url']} on {e['node']}" for e in nodes["engines"]))
+            yield cls(
+                config,
+                urls=actors.urls,
+                trainers=actors.trainers,
+                controller=actors.controller,
+                log=log,
+                nodes=nodes,
+            )
 
     def weight_version(self) -> str:
         return ray.get(self._controller.status.remote(), timeout=self._config.sync.http_timeout_s).weight_version
@@ -263,7 +292,11 @@ class _Fleet:
             for e in range(len(self._urls))
         ]
         return _generate(
-            self._urls, requests, api_key=self._config.engines.api_key, timeout_s=self._config.sync.http_timeout_s
+            self._urls,
+            requests,
+            api_key=self._config.engines.api_key,
+            timeout_s=self._config.sync.http_timeout_s,
+            lora_path=self._lora_path,
         )
 
     def rollout_stats(self, samples: Sequence[Sample], *, version: str) -> RolloutStats:
@@ -306,6 +339,8 @@ class _Fleet:
             stats = self.rollout_stats(samples, version=version)
             return unsynced_round_record(index, version=version, loss=loss, trainer_step=step, rollouts=stats), samples
         report = self._sync_with_progress()
+        if report.committed and self._config.sync.mode is SyncMode.LORA:
+            self._lora_path = adapter_name(self._config.sync.lora.name, report.version)
         if not report.committed:
             self._log(report.summary())
             return round_record(index, report, loss=loss, trainer_step=step, rollouts=None), []
@@ -368,8 +403,26 @@ def _check_checkpoint(config: MilesSyncConfig, checkpoint: str) -> None:
     problems = config.trainer.checkpoint_problems(hf_config) + config.sync.checkpoint_problems(
         hf_config, num_trained_mtp_layers=config.model.num_trained_mtp_layers
     )
+    spec = config.sync.quantization_spec
+    if spec is not None:  # SGLang's block-FP8 size check, at the engines' TP size (sync.fp8_block names the block)
+        problems += [
+            f"sync.fp8_block={list(spec.block)}: {p}"
+            for p in fp8_serving_problems(hf_config, tp_size=config.engines.tp, spec=spec)
+        ]
     if problems:
         raise ValueError(f"checkpoint {checkpoint}: " + "; ".join(problems))
+
+
+def _resolve_fp8_block(config: MilesSyncConfig, checkpoint: str, *, log: Callable[[str], None]) -> MilesSyncConfig:
+    """sync.quantization=fp8_block with fp8_block null: the block `default_block` picks for the checkpoint's model
+    at the engines' TP size (128x128 for real models, smaller for the tiny built-in ones)."""
+    spec = config.sync.quantization_spec
+    path = Path(checkpoint) / "config.json"
+    if spec is None or config.sync.fp8_block is not None or not path.is_file():
+        return config
+    block = default_block(json.loads(path.read_text()), tp_size=config.engines.tp).block
+    log(f"block FP8: sync.fp8_block=null resolves to {list(block)} for this model at engine TP={config.engines.tp}")
+    return dataclasses.replace(config, sync=dataclasses.replace(config.sync, fp8_block=block))
 
 
 def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
@@ -379,15 +432,23 @@ def _placement(config: MilesSyncConfig) -> PlacedGroups | None:
         return None
     # A transport that feeds engines from every trainer rank maps memory across processes on one device: colocate.
     is_colocated = transport_spec(config.sync.transport).feeds_from_every_rank
+    cluster = config.cluster
     plan = plan_placement(
         layout=PlacementLayout.COLOCATED if is_colocated else PlacementLayout.DISAGGREGATED,
         num_trainers=config.trainer.world_size,
         num_engines=config.engines.count,
-        trainer=DEFAULT_TRAINER_RESOURCES,
-        engine=DEFAULT_ENGINE_RESOURCES,
+        trainer=_on_nodes(DEFAULT_TRAINER_RESOURCES, cluster.trainer_node_resource),
+        engine=_on_nodes(DEFAULT_ENGINE_RESOURCES, cluster.engine_node_resource),
         engine_tp_size=config.engines.tp,
+        strategy=cluster.trainer_strategy,
+        engine_strategy=cluster.engine_strategy,
     )
     return create_placement_groups(plan, timeout_s=_PLACEMENT_TIMEOUT_S, name_prefix=config.run_name)
+
+
+def _on_nodes(resources: Resources, node_resource: str | None) -> Resources:
+    """`resources` plus one unit of the custom node resource that marks the nodes this role may run on."""
+    return resources if node_resource is None else resources + Resources(custom=((node_resource, 1.0),))
 
 
 def _feeds(config: MilesSyncConfig, placed: PlacedGroups | None) -> FeedPlan | None:
@@ -405,17 +466,32 @@ def _start_engines(
 ) -> EngineGroup | None:
     if config.engines.urls:
         return None
+    spec = config.sync.quantization_spec
+    # Block FP8: the engines serve the block-FP8 copy of the checkpoint (their quantization follows it, as SGLang's).
+    served = checkpoint if spec is None else str(fp8_checkpoint(checkpoint, spec))
     settings = config.engines.launch_settings(
-        model_dir=checkpoint, collective_timeout_s=config.sync.collective_timeout_s
+        model_dir=served,
+        collective_timeout_s=config.sync.collective_timeout_s,
+        speculative_algorithm=config.model.speculative_algorithm,
+        lora=config.sync.lora.engine_settings() if config.sync.mode is SyncMode.LORA else None,
     )
     spec = engine_spec(config.engines.kind, settings)
     return create_engines(
         specs=[spec] * config.engines.count,
         log_dir=log_dir.resolve(),
         placement=placed,
+        bind_host=config.cluster.bind_host,
         http_timeout_s=config.sync.http_timeout_s,
         timeout_s=_START_TIMEOUT_S,
     )
+
+
+def _lora_spec(config: MilesSyncConfig) -> LoraSpec | None:
+    """What the trainer ranks adapt under sync.mode=lora (None: they train every weight)."""
+    if config.sync.mode is not SyncMode.LORA:
+        return None
+    lora = config.sync.lora
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules)
 
 
 def _close_controller(controller: Any) -> None:
@@ -430,6 +506,7 @@ def _generate(
     *,
     api_key: str | None,
     timeout_s: float,
+    lora_path: str | None = None,
 ) -> list[Sample]:
     """`requests[e]` (prompt, sampling) pairs on engine `urls[e]`, every request of every engine at once, from this
     process over HTTP, with the engines' log-probs; the samples in request order, engine after engine."""
@@ -439,7 +516,7 @@ def _generate(
         try:
             batches = await asyncio.gather(
                 *(
-                    generate_samples(client, [prompt], sampling=sampling, return_logprob=True)
+                    generate_samples(client, [prompt], sampling=sampling, return_logprob=True, lora_path=lora_path)
                     for client, pairs in zip(clients, requests, strict=True)
                     for prompt, sampling in pairs
                 )
@@ -453,6 +530,22 @@ def _generate(
 
 def _mean_reward(samples: Sequence[Sample]) -> float:
     return sum(reward(s) for s in samples) / len(samples) if samples else 0.0
+
+
+def node_record(trainers: TrainerGroup, engines: EngineGroup | None, *, urls: Sequence[str]) -> dict[str, Any]:
+    """Where each trainer rank and engine ran, for report.json's `machine.nodes`: Ray's node IP and the address it
+    bound. Engines given as URLs (`engines.urls`) are recorded by the host of their URL."""
+    trainer_ranks = [
+        {"rank": info.rank, "node": node.node_ip, "bind_host": node.bind_host, "is_source": info.is_source}
+        for info, node in zip(trainers.ranks, trainers.nodes)
+    ]
+    if engines is not None and engines.nodes:
+        engine_rows = [
+            {"url": url, "node": node.node_ip, "bind_host": node.bind_host} for url, node in zip(urls, engines.nodes)
+        ]
+    else:
+        engine_rows = [{"url": url, "node": node_of_url(url), "bind_host": node_of_url(url)} for url in urls]
+    return {"trainer_ranks": trainer_ranks, "engines": engine_rows}
 
 
 def _machine() -> dict[str, Any]:

@@ -25,13 +25,16 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from miles_sync.engine.kinds import EngineKind
-from miles_sync.engine.settings import EngineSettings, FinalizePolicy
+from miles_sync.engine.settings import EngineSettings, FinalizePolicy, LoraSettings
+from miles_sync.engine.sglang import sglang_speculative_problems
+from miles_sync.env import bind_host
 from miles_sync.export.registry import ConversionMode
 from miles_sync.megatron.parallel_layout import parallel_layout_problems
 from miles_sync.sync.selector import SelectorMode, selector_input_problems
 from miles_sync.transport.base import TransportKind
+from miles_sync.weights.fp8 import DEFAULT_BLOCK, Fp8Block, Quantization
 from miles_sync.weights.layout import WeightLayout
-from miles_sync.wire.codec import decode, encode
+from miles_sync.wire.codec import WireEnum, decode, encode
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import PauseMode
 from miles_sync.wire.text import raise_if
@@ -40,10 +43,12 @@ __all__ = [
     "DEFAULT_CONFIG_DIR",
     "ClusterConfig",
     "EngineConfig",
+    "LoraSyncConfig",
     "MilesSyncConfig",
     "ModelConfig",
     "RolloutConfig",
     "SyncConfig",
+    "SyncMode",
     "TrainerConfig",
     "load_config",
     "to_config",
@@ -53,6 +58,46 @@ __all__ = [
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 _MIB = 1024 * 1024
+
+
+class SyncMode(WireEnum):
+    """full: every weight goes to the engines; lora: the trainer trains LoRA adapters on a frozen base and a sync
+    sends only the adapter (SGLang's /load_lora_adapter_from_tensors), never the base."""
+
+    FULL = "full"
+    LORA = "lora"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSyncConfig:
+    """The adapter a `sync.mode=lora` run trains and syncs: PEFT's r, lora_alpha and target_modules (transformers'
+    module names; megatron fuses q/k/v and gate/up, so those come together), the engines' adapter name (what
+    rollouts pass as `lora_path`), and the size from which the adapter travels as one flattened bucket per TP rank
+    instead of a dict of tensors."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    name: str = "policy"
+    flatten_min_bytes: int = _MIB
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.rank < 1:
+            problems.append(f"rank={self.rank} must be at least 1")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            problems.append(f"alpha={self.alpha} must be a positive number")
+        if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            problems.append(f"target_modules={list(self.target_modules)} must name distinct modules, at least one")
+        if not self.name:
+            problems.append("name must not be empty")
+        if self.flatten_min_bytes < 0:
+            problems.append(f"flatten_min_bytes={self.flatten_min_bytes} must be >= 0")
+        raise_if(problems)
+
+    def engine_settings(self) -> LoraSettings:
+        """The adapter room an engine reserves at start for this adapter (--max-lora-rank, --lora-target-modules)."""
+        return LoraSettings(max_rank=self.rank, target_modules=self.target_modules)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,16 +124,42 @@ class SyncConfig:
     # False: the job trains exactly as usual but never syncs, so the engines keep serving the checkpoint (the
     # control run: whatever the rollouts' reward does then did not come through the sync).
     enabled: bool = True
+    # fp8_block: the source quantizes every linear weight to float8_e4m3fn with one float32 weight_scale_inv per
+    # fp8_block ([rows, cols]) after the gather, and launched engines serve the block-FP8 copy of the checkpoint.
+    # fp8_block None: 128x128, or the largest smaller square power-of-two block that divides every TP partition
+    # of the checkpoint's model (the job decides it from config.json; the built-in tiny models get 32x32).
+    quantization: Quantization = Quantization.NONE
+    fp8_block: tuple[int, ...] | None = None
+    # lora: train adapters on a frozen base and sync only them (see LoraSyncConfig).
+    mode: SyncMode = SyncMode.FULL
+    lora: LoraSyncConfig = field(default_factory=LoraSyncConfig)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.mode is SyncMode.LORA:
+            if self.quantization is not Quantization.NONE:
+                problems.append("mode=lora sends adapters in the trainer's dtype; quantization must be none")
+            # Both act on base weights, which a LoRA sync never sends.
+            problems += [
+                f"mode=lora has no {k}; set {k}=false" for k in ("staged", "mechanism_check") if getattr(self, k)
+            ]
         if self.bucket_bytes <= 0:
             problems.append(f"bucket_bytes={self.bucket_bytes} must be positive")
+        if self.fp8_block is not None and (len(self.fp8_block) != 2 or not all(b > 0 for b in self.fp8_block)):
+            problems.append(f"fp8_block={list(self.fp8_block)} must be two positive integers [rows, cols]")
         for name in ("http_timeout_s", "collective_timeout_s", "sync_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 problems.append(f"{name}={value} must be a positive number of seconds")
         raise_if(problems)
+
+    @property
+    def quantization_spec(self) -> Fp8Block | None:
+        """The block-FP8 spec the source quantizes with; None when it sends the export's dtypes."""
+        if self.quantization is Quantization.NONE:
+            return None
+        block = DEFAULT_BLOCK if self.fp8_block is None else self.fp8_block
+        return Fp8Block(block=(int(block[0]), int(block[1])))
 
     def conversion_problems(self, *, arch: str, num_trained_mtp_layers: int, num_experts: int = 0) -> list[str]:
         """What `conversion` cannot export of a model (empty: nothing). Pure; the one check that config
@@ -174,11 +245,20 @@ class EngineConfig:
         raise_if(problems)
 
     def launch_settings(
-        self, *, model_dir: str, draft_dir: str | None = None, collective_timeout_s: float | None = None
+        self,
+        *,
+        model_dir: str,
+        draft_dir: str | None = None,
+        collective_timeout_s: float | None = None,
+        speculative_algorithm: str | None = None,
+        lora: LoraSettings | None = None,
     ) -> EngineSettings:
-        """What launching one of these engines serving `model_dir` needs (`miles_sync.engine.kinds.engine_spec`)."""
+        """What launching one of these engines serving `model_dir` needs (`miles_sync.engine.kinds.engine_spec`).
+        `speculative_algorithm`: `model.speculative_algorithm` (SGLang's --speculative-algorithm); `lora`: the
+        adapter room an engine serving LoRA adapters reserves at start (None: base model only)."""
         return EngineSettings(
             model_dir=model_dir,
+            speculative_algorithm=speculative_algorithm,
             draft_kind=self.draft_kind,
             draft_dir=draft_dir,
             weight_layout=self.weight_layout,
@@ -188,6 +268,7 @@ class EngineConfig:
             collective_timeout_s=collective_timeout_s,
             api_key=self.api_key,
             admin_api_key=self.admin_api_key,
+            lora=lora,
         )
 
 
@@ -277,14 +358,43 @@ class RolloutConfig:
         raise_if(problems)
 
 
+# Ray's placement-group strategies.
+PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
+    """The Ray cluster and the node layout. Every listener (engine servers, stores, process groups) binds the
+    address of the node it runs on (127.0.0.1 on a local cluster), or `bind_host` when set. Trainer ranks and
+    engines go to nodes that carry the custom resource `trainer_node_resource` / `engine_node_resource` (each actor
+    asks for 1 of it; null: any node), their placement groups placed with `trainer_strategy` / `engine_strategy`
+    (colocated: one group of shared bundles, placed with `trainer_strategy`)."""
+
     address: str | None = None  # None: start a local Ray cluster
     num_cpus: int | None = None  # for a local cluster; None lets Ray count them
+    bind_host: str | None = None  # None: each actor's own node address; "0.0.0.0" binds every interface
+    trainer_node_resource: str | None = None
+    engine_node_resource: str | None = None
+    trainer_strategy: str = "PACK"
+    engine_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
+        problems = []
         if self.num_cpus is not None and self.num_cpus < 1:
-            raise ValueError(f"num_cpus={self.num_cpus} must be at least 1 (or null)")
+            problems.append(f"num_cpus={self.num_cpus} must be at least 1 (or null)")
+        if self.bind_host is not None:
+            try:
+                bind_host(override=self.bind_host)
+            except ValueError as exc:
+                problems.append(str(exc))
+        for name in ("trainer_strategy", "engine_strategy"):
+            if getattr(self, name) not in PLACEMENT_STRATEGIES:
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {list(PLACEMENT_STRATEGIES)}")
+        for name in ("trainer_node_resource", "engine_node_resource"):
+            value = getattr(self, name)
+            if value is not None and (not value.strip() or value in ("CPU", "GPU")):
+                problems.append(f"{name}={value!r} must name a custom node resource (not empty, CPU or GPU)")
+        raise_if(problems)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,6 +430,13 @@ class MilesSyncConfig:
         problems += self.sync.conversion_problems(
             arch=self.model.arch, num_trained_mtp_layers=self.model.num_trained_mtp_layers
         )
+        if self.engines.kind is EngineKind.SGLANG and not self.engines.urls:  # what the launched servers would refuse
+            problems += [
+                f"engines.kind=sglang: {p} (model.speculative_algorithm, engines.draft_kind)"
+                for p in sglang_speculative_problems(
+                    speculative_algorithm=self.model.speculative_algorithm, draft_kind=self.engines.draft_kind
+                )
+            ]
         raise_if(problems)
 
 

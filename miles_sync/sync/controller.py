@@ -31,11 +31,13 @@ from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
 from miles_sync.sync.lease import LeaseLostError, SyncLease
+from miles_sync.sync.lora import AdapterPayload, adapter_name, run_lora_sync_session
 from miles_sync.sync.pipeline import stage_group_names
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.weight_source import WeightSource
 from miles_sync.transport.base import EngineEndpoint, GroupMembership, plan_membership, transport_spec
+from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.protocol import DEFAULT_GROUP_NAME, DestroyWeightsUpdateGroupRequest, PauseMode
 
 __all__ = ["ControllerStatus", "GroupSettings", "SyncController", "SyncError"]
@@ -54,11 +56,12 @@ class SyncError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class GroupSettings:
-    """Where and how the update group meets; the port always comes from the OS at creation."""
+    """Where and how the update group meets; the port always comes from the OS at creation. `master_address`
+    None: on the source rank's own node (each pipeline stage's group on its stage source's node)."""
 
     name: str = DEFAULT_GROUP_NAME
     backend: str = "gloo"
-    master_address: str = "127.0.0.1"
+    master_address: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +104,11 @@ class SyncController:
         lease: SyncLease | None = None,
         lease_wait_s: float = 30.0,
         show_progress: bool = True,
+        quantization: Fp8Block | None = None,
+        lora_name: str | None = None,
     ) -> None:
+        """`lora_name`: sync LoRA adapters under this engine adapter name (miles_sync.sync.lora: the source's
+        `adapter_payload`, never the base); None: full syncs."""
         problems = []
         duplicates = sorted({u for u in engine_urls if list(engine_urls).count(u) > 1})
         if not engine_urls:
@@ -122,6 +129,7 @@ class SyncController:
         self._source = source
         self._transport = transport
         self._selector_inputs = selector_inputs
+        self._quantization = quantization  # what the source sends: checked against each engine before the pause
         self._pause_mode = PauseMode(pause_mode)
         self._verify = verify
         self._staged = staged
@@ -155,6 +163,8 @@ class SyncController:
         # The engines' side of these groups (one per pipeline stage) may exist until they are destroyed.
         self._group_names: tuple[str, ...] = ()
         self._trainer_ranks: tuple[Any, ...] = ()
+        self._lora_name = lora_name
+        self._lora_served: dict[str, str] = {}  # engine URL -> the adapter name it serves (the last committed)
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -234,6 +244,9 @@ class SyncController:
         if callable(connect_source):
             self._trainer_ranks = tuple(await connect_source())
         await asyncio.gather(*(self._connect_engine(url) for url in self._urls))
+        check_engines = getattr(self._source, "check_engines", None)
+        if callable(check_engines):  # e.g. a colocated engine without a trainer rank on its node: refused now
+            check_engines([EngineEndpoint(url=u, tp_size=self._tp_sizes[u]) for u in self._urls])
         infos = await asyncio.gather(*(self._clients[u].model_info() for u in self._urls))
         versions = {u: info.weight_version for u, info in zip(self._urls, infos)}
         common = max(set(versions.values()), key=list(versions.values()).count)
@@ -294,7 +307,9 @@ class SyncController:
         async with self._lease.hold(holder, timeout_s=self._lease_wait_s) as held:
             self._last_attempt = max(self._version, self._last_attempt) + 1
             version = str(self._last_attempt)
-            report = await self._open_group(version)
+            report = None if self._lora_name is None else await self._sync_lora(version)
+            if report is None:
+                report = await self._open_group(version)
             if report is None:
                 bar = ProgressBar(description=f"sync v{version}", is_enabled=self._show_progress)
                 self._progress = SyncProgress(version=version, buckets=())
@@ -320,6 +335,7 @@ class SyncController:
                         baselines=self._baselines,
                         held=tuple(self._held),
                         mechanism_check=mechanism_check,
+                        quantization=self._quantization,
                     )
                 finally:
                     bar.close()
@@ -335,6 +351,33 @@ class SyncController:
                 await self._destroy_engine_groups()  # the session already closed the source's side, if it could
         if not report.committed and raise_on_failure:
             raise SyncError(report)
+        return report
+
+    async def _sync_lora(self, version: str) -> SyncReport:
+        """One LoRA sync (miles_sync.sync.lora): no update group, no session; the adapter goes to every engine."""
+
+        async def payload() -> AdapterPayload:
+            return await self._source.adapter_payload(tp_sizes=sorted(set(self._tp_sizes.values())))
+
+        try:
+            report = await run_lora_sync_session(
+                engines=[self._clients[u] for u in self._urls],
+                tp_sizes=dict(self._tp_sizes),
+                payload=payload,
+                name=self._lora_name,
+                version=version,
+                previous_version=self._weight_version,
+                pause_mode=self._pause_mode,
+                timeouts=self._timeouts,
+                previous=dict(self._lora_served),
+                held=tuple(self._held),
+                verify=self._verify,
+            )
+        finally:
+            with contextlib.suppress(Exception):  # the payload's tensors are no longer needed
+                await asyncio.wait_for(self._source.release_adapter(), timeout=self._timeouts.control_s)
+        if report.committed:
+            self._lora_served = {url: adapter_name(self._lora_name, version) for url in self._urls}
         return report
 
     def _take_mechanism_check(self, version: str) -> tuple[bool, str]:

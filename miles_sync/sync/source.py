@@ -19,9 +19,11 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from miles_sync.env import LOOPBACK_HOST, bind_host
 from miles_sync.export.registry import ConversionMode, build_exporter
 from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.engine_digests import EngineDigestPlan
+from miles_sync.sync.lora import AdapterPayload, encode_adapter
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult
@@ -50,6 +52,8 @@ class RankInfo:
     dp_rank: int
     is_source: bool  # receives the full HF tensors and sends them
     num_exported_tensors: int
+    node: str = LOOPBACK_HOST  # the address this rank binds (its node's on a cluster: miles_sync.env.bind_host)
+    feeds: FeedPlan | None = None  # the colocated feed plan this rank follows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +129,10 @@ class ModelSource:
                 f"{dist.get_world_size()}"
             )
         self._feeds = feeds
+        self._model, self._hf_config = model, hf_config
+        self._adapters: Any = None  # LoRA adapters to sync instead of the base (attach_adapters)
+        self._adapter_flatten_min_bytes = 0
+        self._adapter_hold: list | None = None  # tensors the last adapter payload points at
         self._export_units, metadata = build_exporter(
             model, hf_config=hf_config, conversion=conversion, timeout_s=collective_timeout_s
         )
@@ -139,6 +147,8 @@ class ModelSource:
             dp_rank=ps.get_data_parallel_rank(),
             is_source=self._is_source,
             num_exported_tensors=len(self._names),
+            node=bind_host(),
+            feeds=feeds,
         )
         self._loop = _LoopThread(name=f"miles-sync-source-{rank}")
         self._sender: Sender | None = None
@@ -241,6 +251,37 @@ class ModelSource:
             self.close()
         finally:
             self._loop.stop()
+
+    # ---- LoRA (miles_sync.sync.lora) ----------------------------------------------------------------------------
+
+    def attach_adapters(self, adapters: Any, *, flatten_min_bytes: int) -> None:
+        """Sync these LoRA adapters (miles_sync.megatron.lora.LoraAdapters of this rank) instead of the base."""
+        self._adapters = adapters
+        self._adapter_flatten_min_bytes = flatten_min_bytes
+
+    def adapter_payload(self, *, tp_sizes: Sequence[int]) -> AdapterPayload | None:
+        """Gather the adapters into PEFT names and encode them for engines of `tp_sizes`: on the export source the
+        payload (its tensors kept alive until `release_adapter`), None elsewhere. Every rank calls it at once."""
+        from miles_sync.export.lora import gather_peft_adapter, peft_adapter_config
+        from miles_sync.export.megatron import model_chunks
+        from miles_sync.export.raw import create_converter
+
+        if self._adapters is None:
+            raise RuntimeError(f"rank {self._info.rank}: no LoRA adapters attached (attach_adapters)")
+        converter = create_converter(self._hf_config.model_type, self._hf_config)
+        named = gather_peft_adapter(model_chunks(self._model), self._adapters, converter=converter)
+        if not named:
+            return None
+        payload, self._adapter_hold = encode_adapter(
+            named,
+            config_dict=peft_adapter_config(self._adapters.spec),
+            tp_sizes=tp_sizes,
+            flatten_min_bytes=self._adapter_flatten_min_bytes,
+        )
+        return payload
+
+    def release_adapter(self) -> None:
+        self._adapter_hold = None
 
     def _export(self) -> Iterator[ExportedUnit]:
         units = self._export_units()

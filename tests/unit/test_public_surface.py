@@ -42,7 +42,9 @@ PROTOCOL_ALL = {
     "GenerateResponse",
     "GenerationControlResult",
     "InitWeightsUpdateGroupRequest",
+    "LoRAUpdateResult",
     "LoadFormat",
+    "LoadLoRAAdapterFromTensorsRequest",
     "ModelInfo",
     "ParallelismInfo",
     "PauseGenerationRequest",
@@ -52,6 +54,7 @@ PROTOCOL_ALL = {
     "SamplingParams",
     "Selector",
     "TokenLogprob",
+    "UnloadLoRAAdapterRequest",
     "UpdateWeightVersionRequest",
     "UpdateWeightsFromDistributedRequest",
     "UpdateWeightsFromTensorRequest",
@@ -72,10 +75,12 @@ CONFIG_ALL = {
     "DEFAULT_CONFIG_DIR",
     "ClusterConfig",
     "EngineConfig",
+    "LoraSyncConfig",
     "MilesSyncConfig",
     "ModelConfig",
     "RolloutConfig",
     "SyncConfig",
+    "SyncMode",
     "TrainerConfig",
     "load_config",
     "to_config",
@@ -95,6 +100,8 @@ ENDPOINTS = {
     "/continue_generation": "ContinueGenerationRequest",
     "/weights_checker": "WeightsCheckerRequest",
     "/generate": "GenerateRequest",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsRequest",
+    "/unload_lora_adapter": "UnloadLoRAAdapterRequest",
 }
 QUERY_ENDPOINTS = {"/flush_cache": "FlushCacheRequest"}
 RESPONSES = {
@@ -110,6 +117,8 @@ RESPONSES = {
     "/weights_checker": "WeightsCheckerResult",
     "/generate": "GenerateResponse",
     "/model_info": "ModelInfo",
+    "/load_lora_adapter_from_tensors": "LoRAUpdateResult",
+    "/unload_lora_adapter": "LoRAUpdateResult",
 }
 
 # record -> [(JSON key, annotation, default as it goes on the wire)]; defaults are SGLang 0.5.23's.
@@ -163,6 +172,7 @@ WIRE_SCHEMA = {
         ("top_logprobs_num", "int", 0),
         ("token_ids_logprob", "tuple[int, ...] | None", None),
         ("return_text_in_logprobs", "bool", False),
+        ("lora_path", "str | None", None),
     ],
     "GenerateResponse": [
         ("output_ids", "tuple[int, ...]", REQUIRED),
@@ -180,6 +190,21 @@ WIRE_SCHEMA = {
         ("world_size", "int", REQUIRED),
         ("group_name", "str", "weight_update_group"),
         ("backend", "str", "nccl"),
+    ],
+    "LoRAUpdateResult": [
+        ("success", "bool", REQUIRED),
+        ("error_message", "str | None", None),
+        ("loaded_adapters", "dict[str, str] | None", None),
+    ],
+    "LoadLoRAAdapterFromTensorsRequest": [
+        ("lora_name", "str", REQUIRED),
+        ("config_dict", "dict[str, Any]", REQUIRED),
+        ("serialized_named_tensors", "tuple[str, ...]", REQUIRED),
+        ("pinned", "bool", False),
+        ("added_tokens_config", "dict[str, int] | None", None),
+        ("lora_id", "str | None", None),
+        ("load_format", "LoadFormat | None", None),
+        ("expected_checksums", "dict[str, str] | None", None),
     ],
     "ModelInfo": [
         ("model_path", "str", REQUIRED),
@@ -213,6 +238,10 @@ WIRE_SCHEMA = {
         ("temperature", "float", 1.0),
         ("top_p", "float", 1.0),
         ("sampling_seed", "int | None", None),
+    ],
+    "UnloadLoRAAdapterRequest": [
+        ("lora_name", "str", REQUIRED),
+        ("lora_id", "str | None", None),
     ],
     "UpdateWeightVersionRequest": [
         ("new_version", "str", REQUIRED),
@@ -276,6 +305,7 @@ ENUMS = {
     kinds.EngineKind: ["reference", "sglang"],
     layout.WeightLayout: ["none", "aiter"],
     settings.FinalizePolicy: ["strict", "sglang"],
+    config.SyncMode: ["full", "lora"],
 }
 
 CONFIG_FIELDS = {
@@ -307,8 +337,20 @@ CONFIG_FIELDS = {
         "staged": None,
         "mechanism_check": None,
         "enabled": None,
+        "quantization": None,
+        "fp8_block": None,
+        "mode": None,
+        "lora": {"rank": None, "alpha": None, "target_modules": None, "name": None, "flatten_min_bytes": None},
     },
-    "cluster": {"address": None, "num_cpus": None},
+    "cluster": {
+        "address": None,
+        "num_cpus": None,
+        "bind_host": None,
+        "trainer_node_resource": None,
+        "engine_node_resource": None,
+        "trainer_strategy": None,
+        "engine_strategy": None,
+    },
     "rollout": {
         "num_prompts": None,
         "prompt_length": None,
