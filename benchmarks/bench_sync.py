@@ -34,6 +34,11 @@ Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_
 (model with the most tensors), colocated_vs_memcpy, pause_fraction, peak_extra_mem_over_bucket; then the tables
 (the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray versions and
 the core count.
+
+FP8 vs BF16 (bench_fp8.py's comparison, on the run's smallest model, 128x128 blocks): bytes on the wire, sync wall
+and the source's quantization time as a share of it. `topologies` holds one key per layout compared side by side
+(engine TP=2 vs 1, PP=2 concurrent stage sources vs one gathered source, EP=2 vs 1, FP8 vs BF16, colocated vs
+distributed), each a ratio of two measurements of this run; `commit` names the checkout that produced the JSON.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, rss_bytes  # noqa: E402
 from _sync_models import FULL_MODELS, MODELS, QUICK_MODELS, ModelSpec, checkpoint_dir, export_units  # noqa: E402
+from bench_fp8 import bench_model as bench_fp8_model  # noqa: E402
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.process import EngineLauncher
@@ -626,6 +632,51 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def model_size(spec: ModelSpec) -> int:
+    """Rough parameter count, to pick the sweep (largest) and FP8 (smallest) models of a run."""
+    return spec.num_hidden_layers * spec.hidden_size**2 * 12 + spec.vocab_size * spec.hidden_size * 2
+
+
+def git_commit() -> str:
+    """The checkout's HEAD (with '+dirty' when tracked files differ), or 'unknown' outside a git checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=repo, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
+
+
+def parallel_ratio(section: dict, name: str) -> float:
+    """Total GB/s of case `name` over its comparison's first case, verify on (the _parallel_sync rows)."""
+    return next(r["total_gbps_ratio"] for r in section["cases"] if (r["case"], r["verify"]) == (name, True))
+
+
+def topologies(rows: list[dict], parallel: dict, fp8: dict | None) -> dict:
+    """One key per topology compared side by side in this run; each value is a ratio of two of its measurements
+    (time ratios: > 1 is slower than the baseline named after `_vs_`)."""
+    out = {
+        "pp2_vs_pp1_total_gbps": parallel_ratio(parallel["pipeline"], "pp2"),
+        "ep2_vs_ep1_total_gbps": parallel_ratio(parallel["experts"], "ep2"),
+    }
+    if rows:
+        largest = max(rows, key=lambda row: row["params"])
+        out["colocated_vs_distributed_send_gbps"] = largest["colocated_send_gbps"] / largest["ours_send_gbps"]
+        tp_row = next((r for r in rows if r.get("tp_cases")), None)
+        if tp_row is not None:
+            tp2 = next(c for c in tp_row["tp_cases"] if c["transport"] == "distributed" and c["engine_tp"] > 1)
+            out["tp2_vs_tp1_total_s"] = tp2["total_s_over_tp1"]
+            out["tp2_recv_per_rank_over_sent"] = min(tp2["bytes_per_rank"]) / tp2["bytes_sent"]
+    if fp8 is not None:
+        out["fp8_vs_bf16_wire_bytes"] = fp8["wire_bytes_ratio"]
+        out["fp8_vs_bf16_sync_s"] = fp8["sync_s_ratio"]
+        out["fp8_quantize_share"] = fp8["cases"][1]["quantize_share"]
+    return out
+
+
 def print_tables(result: dict) -> None:
     print(f"\nmiles_sync sync benchmark - torch {result['torch']}, ray {result['ray']}, {result['cpu_count']} cores")
     if not result["models"]:  # --parallel-only
@@ -681,6 +732,9 @@ def print_tables(result: dict) -> None:
         "peak_extra_mem_over_bucket",
     ):
         print(f"  {key} = {result[key]:.3f}")
+    print(f"\ntopologies side by side (commit {result['commit']}):")
+    for key, value in result["topologies"].items():
+        print(f"  {key} = {value:.3f}")
     print_parallel_table(result["parallel"])
 
 
@@ -755,19 +809,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from miles_sync.config import ClusterConfig
 
     started = time.perf_counter()
-    sweep_model = max(
-        names,
-        key=lambda n: (
-            MODELS[n].num_hidden_layers * MODELS[n].hidden_size ** 2 * 12
-            + MODELS[n].vocab_size * MODELS[n].hidden_size * 2
-        ),
-    )
+    sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
     with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
         rows = (
             [] if args.parallel_only else [bench_model(MODELS[n], args, is_sweep_model=n == sweep_model) for n in names]
         )
         parallel = bench_parallel(
             quick=args.quick, cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET
+        )
+    fp8 = None
+    if not args.parallel_only:
+        fp8_model = min(names, key=lambda n: model_size(MODELS[n]))
+        log(f"{fp8_model}: FP8 vs BF16")
+        fp8 = bench_fp8_model(
+            fp8_model, cache=Path(args.cache).expanduser(), block=128, repeats=args.repeats, log_dir=args.log_dir
         )
     result = {
         **(summarize(rows) if rows else {}),
@@ -779,8 +834,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "commit": git_commit(),
         "models": rows,
         "parallel": parallel,
+        "fp8": fp8,
+        "topologies": topologies(rows, parallel, fp8),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
