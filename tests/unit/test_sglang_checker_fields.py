@@ -8,13 +8,10 @@ here that reaches out; it skips, naming why, when the index cannot be reached). 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 from sglang_fields import CheckerFields, derive_checker_fields, vendored_checker_fields
+from sglang_flags import fetch_sglang_wheel
 
 from miles_sync.wire.protocol import (
     ParallelismInfo,
@@ -24,7 +21,6 @@ from miles_sync.wire.protocol import (
     encode,
 )
 
-DOWNLOAD_TIMEOUT_S = 90
 # How SGLang's tokenizer manager turns a CheckWeightsReqOutput into the HTTP body: its per-rank `payload` lists
 # become `ranks`, and it adds the hash over every rank's per_gpu_checksum.
 HANDLER_RENAMES = {"payload": "ranks"}
@@ -36,44 +32,8 @@ def vendored() -> CheckerFields:
     return vendored_checker_fields()
 
 
-def _fetch_wheel(version: str, into: Path) -> Path:
-    """A wheel of sglang==`version`: one already under the temp directory, else downloaded; skips if neither."""
-    pattern = f"sglang-{version}-*.whl"
-    temp = Path(tempfile.gettempdir())
-    found = sorted(temp.glob(pattern)) + sorted(temp.glob(f"*/{pattern}"))
-    if found:
-        return found[0]
-    # The wheel's source is the same on every platform; pinning the tags lets any interpreter fetch the same file.
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        f"sglang=={version}",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--platform=manylinux_2_34_x86_64",
-        "--python-version=3.11",
-        "--implementation=cp",
-        "--timeout=10",
-        "--retries=0",
-        "--disable-pip-version-check",
-        "--quiet",
-        f"--dest={into}",
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip download sglang=={version} took over {DOWNLOAD_TIMEOUT_S} s; the vendored copy stands")
-    wheels = sorted(into.glob(pattern))
-    if done.returncode != 0 or not wheels:
-        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"cannot fetch sglang=={version} (pip exit {done.returncode}: {reason}); the vendored copy stands")
-    return wheels[0]
-
-
 def test_the_vendored_copy_is_what_the_sglang_wheel_declares(vendored, tmp_path):
-    wheel = _fetch_wheel(vendored.sglang_version, tmp_path)
+    wheel = fetch_sglang_wheel(vendored.sglang_version, tmp_path)
     assert derive_checker_fields(wheel) == vendored, f"re-derive tests/data from {wheel}"
 
 
