@@ -20,7 +20,7 @@ from miles_sync.sync.attach import DEFAULT_ATTACHMENT, attached_source
 from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.lora import AdapterPayload
 from miles_sync.sync.pipeline import PipelineSource
-from miles_sync.sync.report import BucketProgress
+from miles_sync.sync.report import BucketProgress, InIndexOrder
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.source import RankInfo, RankSendResult
 from miles_sync.sync.weight_source import SendResult, StageResult
@@ -296,14 +296,9 @@ class StageSource:
         engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult:
         # Every rank of the stage exports at once (the gather's collectives pair up); only the source's result
-        # carries bytes (and the engine digests, which only the source rank computes).
-        seen: set[int] = set()
-
-        def receive(event: BucketProgress) -> None:
-            if on_bucket is not None and event.index not in seen:
-                seen.add(event.index)
-                on_bucket(event)
-
+        # carries bytes (and the engine digests, which only the source rank computes). Pushed events can reach
+        # this (async) actor out of order and come again in the result: InIndexOrder passes each on once, in order.
+        receive = InIndexOrder(on_bucket if on_bucket is not None else lambda event: None)
         token = uuid.uuid4().hex
         controller = None if on_bucket is None else _current_actor()
         push = None if controller is None else _ProgressPush(controller=controller, token=token)
@@ -318,7 +313,7 @@ class StageSource:
                 engine_digests=engine_digests,
             )
             sent = results[self._source_index]
-            for event in sent.progress:  # whatever no push delivered (yet), in order
+            for event in sent.progress:  # whatever no push delivered (yet)
                 receive(event)
         finally:
             _RECEIVERS.pop(token, None)

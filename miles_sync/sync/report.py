@@ -7,6 +7,7 @@ encoded with miles_sync.wire.codec (`encode_report` / `decode_report` round-trip
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -16,6 +17,7 @@ from miles_sync.wire.protocol import Selector
 __all__ = [
     "BucketProgress",
     "EngineResult",
+    "InIndexOrder",
     "PhaseTimes",
     "SyncProgress",
     "ProgressBar",
@@ -145,6 +147,28 @@ class SyncProgress:
 
     version: str
     buckets: tuple[BucketProgress, ...]
+
+
+class InIndexOrder:
+    """Passes bucket events on once each, in index order, whatever order they arrive in.
+
+    A rank numbers its buckets 0, 1, 2, ... and reports each as it is acknowledged, but a report that crosses a
+    process boundary (a fire-and-forget push into an async actor) can overtake an earlier one, and the rank's
+    result repeats every event at the end. An event ahead of its predecessors waits here until they came; a
+    repeat is dropped."""
+
+    def __init__(self, on_bucket: Callable[[BucketProgress], None]) -> None:
+        self._on_bucket = on_bucket
+        self._waiting: dict[int, BucketProgress] = {}
+        self.next_index = 0
+
+    def __call__(self, event: BucketProgress) -> None:
+        if event.index < self.next_index:
+            return
+        self._waiting[event.index] = event
+        while self.next_index in self._waiting:
+            self._on_bucket(self._waiting.pop(self.next_index))
+            self.next_index += 1
 
 
 class ProgressBar:

@@ -10,6 +10,7 @@ import pytest
 from miles_sync.sync.report import (
     BucketProgress,
     EngineResult,
+    InIndexOrder,
     PhaseTimes,
     ProgressBar,
     SyncReport,
@@ -118,3 +119,20 @@ def test_disabled_progress_bar_writes_nothing():
     bar.update(BucketProgress(index=0, num_bytes=1, num_tensors=1, total_bytes=1, elapsed_s=0.0))
     bar.close()
     assert out.getvalue() == "" and bar.num_updates == 1
+
+
+def test_bucket_events_pass_on_once_each_in_index_order():
+    def event(i: int) -> BucketProgress:
+        return BucketProgress(index=i, num_bytes=1, num_tensors=1, total_bytes=i + 1, elapsed_s=0.0)
+
+    passed: list[int] = []
+    receive = InIndexOrder(lambda e: passed.append(e.index))
+    for i in (0, 1, 3, 2):  # a push overtook its predecessor
+        receive(event(i))
+    assert passed == [0, 1, 2, 3]
+    for i in (5, 2):  # 5 waits for 4; 2 is a repeat
+        receive(event(i))
+    assert passed == [0, 1, 2, 3] and receive.next_index == 4
+    for i in range(6):  # the rank's result repeats every event at the end
+        receive(event(i))
+    assert passed == [0, 1, 2, 3, 4, 5]
