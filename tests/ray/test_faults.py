@@ -137,6 +137,15 @@ def generated(url: str, *, round_index: int) -> tuple:
     return asyncio.run(run())
 
 
+def wait_out_engine_rendezvous(sync_started: float) -> None:
+    """Until the real engines' joins of a failed sync's group timed out. An engine runs one rendezvous at a time,
+    as SGLang's scheduler does (it joins inline), so a join asked for while it is still blocked in an abandoned one
+    starts only when that one ends; a sync started earlier could time out through no fault of its own. The engines
+    were asked to join after `sync_started` (time.monotonic), so their rendezvous ended ENGINE_COLLECTIVE_TIMEOUT_S
+    after it at the latest."""
+    time.sleep(max(0.0, sync_started + ENGINE_COLLECTIVE_TIMEOUT_S + 1.0 - time.monotonic()))
+
+
 def timed_sync(controller) -> tuple[SyncReport, float]:
     """One sync expected to fail: its report, and the seconds it took (asserted within the failed-sync bound)."""
     start = time.monotonic()
@@ -506,6 +515,7 @@ def test_rendezvous_that_never_completes(fleet):
         committed = commit_then_train(fleet, controller, round_index=13)
     with silent_member(weight_version=committed.version) as member:
         with controller_for(fleet, extra_urls=[member.url]) as controller:
+            started = time.monotonic()
             failed, _ = timed_sync(controller)
             assert "did not rendezvous" in failed.error and member.url in failed.error, failed.error
             assert failed.phases.pause_s == 0.0  # it failed while opening the group: no engine was paused
@@ -514,6 +524,7 @@ def test_rendezvous_that_never_completes(fleet):
             assert [(r["rank_offset"], r["world_size"]) for r in member.init_requests] == [(3, 4)]
             assert assert_no_partial_weights(controller, urls, committed, round_index=14) == urls
             assert set(call(controller, "status").serving_engines) >= set(urls)
+    wait_out_engine_rendezvous(started)
     with controller_for(fleet) as controller:  # the next sync, with the real engines only
         assert_full_sync(fleet, controller, committed, round_index=15)
 
@@ -524,12 +535,15 @@ def test_a_refused_init_fails_the_sync_without_waiting_out_the_rendezvous(fleet)
         committed = commit_then_train(fleet, controller, round_index=16)
     with silent_member(weight_version=committed.version, refuses_init=True) as member:
         with controller_for(fleet, extra_urls=[member.url]) as controller:
+            started = time.monotonic()
             failed, elapsed = timed_sync(controller)
             assert member.url in failed.error and "not supported here" in failed.error, failed.error
-            # A member that refused can never join: the sync does not wait for the rendezvous to time out.
+            # A member that refused can never join: the sync does not wait for the rendezvous to time out (the
+            # real engines stay blocked in it until their own timeout meanwhile).
             assert elapsed < FAULT_SYNC.collective_timeout_s, f"{elapsed:.1f} s: it waited out the rendezvous"
             assert failed.phases.pause_s == 0.0
             assert_version_kept(controller, committed)
             assert assert_no_partial_weights(controller, urls, committed, round_index=17) == urls
-    with controller_for(fleet) as controller:  # the real engines are still blocked in that rendezvous meanwhile
+    wait_out_engine_rendezvous(started)
+    with controller_for(fleet) as controller:
         assert_full_sync(fleet, controller, committed, round_index=18)
