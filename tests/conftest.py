@@ -61,3 +61,19 @@ def reference_moe_checkpoint() -> Path:
     from miles_sync.env import read_environment
 
     return cached_checkpoints(read_environment().cache_dir, arch="qwen3_moe") / "target"
+
+
+@pytest.fixture(scope="session")
+def sglang_wheel(tmp_path_factory: pytest.TempPathFactory):
+    """`sglang_wheel(version)`: the released sglang wheel of that version, fetched once per session (or found
+    under the temp directory); the calling test skips, naming why, when no package index is reachable."""
+    from sglang_flags import fetch_sglang_wheel
+
+    wheels: dict[str, Path] = {}
+
+    def get(version: str) -> Path:
+        if version not in wheels:
+            wheels[version] = fetch_sglang_wheel(version, tmp_path_factory.mktemp(f"sglang-{version}"))
+        return wheels[version]
+
+    return get

@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 from sglang_fields import CheckerFields, derive_checker_fields, vendored_checker_fields
-from sglang_flags import fetch_sglang_wheel
 
 from miles_sync.wire.protocol import (
     ParallelismInfo,
@@ -32,8 +31,8 @@ def vendored() -> CheckerFields:
     return vendored_checker_fields()
 
 
-def test_the_vendored_copy_is_what_the_sglang_wheel_declares(vendored, tmp_path):
-    wheel = fetch_sglang_wheel(vendored.sglang_version, tmp_path)
+def test_the_vendored_copy_is_what_the_sglang_wheel_declares(vendored, sglang_wheel):
+    wheel = sglang_wheel(vendored.sglang_version)
     assert derive_checker_fields(wheel) == vendored, f"re-derive tests/data from {wheel}"
 
 

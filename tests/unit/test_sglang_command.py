@@ -17,7 +17,6 @@ from sglang_flags import (
     ServerArgsError,
     ServerFlags,
     derive_server_flags,
-    fetch_sglang_wheel,
     parse_server_args,
     vendored_server_flags,
 )
@@ -270,8 +269,8 @@ def test_an_sglang_config_with_an_unlaunchable_draft_fails_at_load():
     )
 
 
-def test_the_vendored_flags_are_what_the_sglang_wheel_declares(flags, tmp_path):
-    wheel = fetch_sglang_wheel(flags.sglang_version, tmp_path)
+def test_the_vendored_flags_are_what_the_sglang_wheel_declares(flags, sglang_wheel):
+    wheel = sglang_wheel(flags.sglang_version)
     derived = derive_server_flags(wheel)
     assert derived.sglang_version == flags.sglang_version
     changed = sorted(o for o in derived.flags.keys() | flags.flags.keys() if derived.flags.get(o) != flags.flags.get(o))

@@ -5,8 +5,8 @@ Where SGLang 0.5.23's source has them: `GenerateReqInput` in sglang/srt/managers
 fields (all but `return_text_in_logprobs` default to None there) and its single-request normalization sets
 `if self.<field> is None: self.<field> = <default>`; `TokenizerManager.add_logprob_to_meta_info` in
 sglang/srt/managers/tokenizer_manager.py sets the meta_info keys unconditionally at its top level. The source is
-read with `ast` from an unpacked copy or wheel already under the temp directory (never downloaded, never imported);
-without one the derivation test skips.
+read with `ast` from the released wheel (tests/sglang_flags.fetch_sglang_wheel: `pip download`ed once per session,
+never installed or imported); the derivation test skips, naming why, where no package index is reachable.
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import tempfile
 import zipfile
 from pathlib import Path
-
-import pytest
 
 from miles_sync.wire.protocol import GenerateMetaInfo, GenerateRequest, encode
 
@@ -37,17 +34,9 @@ def test_meta_info_carries_sglangs_logprob_keys() -> None:
     assert set(VENDORED["meta_info_logprob_keys"]) <= names
 
 
-def _source_reader():
-    temp = Path(tempfile.gettempdir())
-    version = VENDORED["sglang_version"]
-    for root in [temp / "sgl", *sorted(temp.glob("*/"))]:
-        if (root / IO_STRUCT).is_file() and (root / TOKENIZER_MANAGER).is_file():
-            return lambda path, root=root: (root / path).read_text()
-    wheels = sorted(temp.glob(f"sglang-{version}-*.whl")) + sorted(temp.glob(f"*/sglang-{version}-*.whl"))
-    if wheels:
-        wheel = zipfile.ZipFile(wheels[0])
-        return lambda path: wheel.read(path).decode()
-    pytest.skip(f"no unpacked SGLang source or sglang-{version} wheel under {temp}")
+def _source_reader(wheel: Path):
+    archive = zipfile.ZipFile(wheel)
+    return lambda path: archive.read(path).decode()
 
 
 def _is_self_attr(node: ast.AST, name: str | None = None) -> bool:
@@ -100,8 +89,8 @@ def _meta_info_keys(module: ast.Module) -> list[str]:
     ]
 
 
-def test_vendored_fields_are_sglangs() -> None:
-    read = _source_reader()
+def test_vendored_fields_are_sglangs(sglang_wheel) -> None:
+    read = _source_reader(sglang_wheel(VENDORED["sglang_version"]))
     defaults = _request_defaults(ast.parse(read(IO_STRUCT)))
     assert {name: defaults[name] for name in VENDORED["generate_req_input"]} == VENDORED["generate_req_input"]
     assert _meta_info_keys(ast.parse(read(TOKENIZER_MANAGER))) == VENDORED["meta_info_logprob_keys"]

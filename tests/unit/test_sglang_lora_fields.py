@@ -8,8 +8,6 @@ checker fields' test downloads it there when the index can be reached); else it 
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from pathlib import Path
 
 import pytest
 from sglang_fields import LoraFields, derive_lora_fields, vendored_lora_fields
@@ -36,13 +34,9 @@ def vendored() -> LoraFields:
     return vendored_lora_fields()
 
 
-def test_the_vendored_copy_is_what_the_sglang_wheel_declares(vendored):
-    temp = Path(tempfile.gettempdir())
-    pattern = f"sglang-{vendored.sglang_version}-*.whl"
-    wheels = sorted(temp.glob(pattern)) + sorted(temp.glob(f"*/{pattern}"))
-    if not wheels:
-        pytest.skip(f"no {pattern} under {temp}; the vendored copy stands")
-    assert derive_lora_fields(wheels[0]) == vendored, f"re-derive tests/data/sglang_lora_fields.json from {wheels[0]}"
+def test_the_vendored_copy_is_what_the_sglang_wheel_declares(vendored, sglang_wheel):
+    wheel = sglang_wheel(vendored.sglang_version)
+    assert derive_lora_fields(wheel) == vendored, f"re-derive tests/data/sglang_lora_fields.json from {wheel}"
 
 
 def test_our_records_have_sglangs_fields_in_sglangs_order(vendored):
