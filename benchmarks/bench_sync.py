@@ -36,9 +36,11 @@ Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_
 the core count.
 
 FP8 vs BF16 (bench_fp8.py's comparison, on the run's smallest model, 128x128 blocks): bytes on the wire, sync wall
-and the source's quantization time as a share of it. `topologies` holds one key per layout compared side by side
-(engine TP=2 vs 1, PP=2 concurrent stage sources vs one gathered source, EP=2 vs 1, FP8 vs BF16, colocated vs
-distributed), each a ratio of two measurements of this run; `commit` names the checkout that produced the JSON.
+and the source's quantization time as a share of it. LoRA vs full (bench_lora.py's comparison, same model, rank 16
+on q/k/v/o/gate/up/down, colocated into one LoRA-serving engine): bytes sent, sync wall and pause window. `topologies`
+holds one key per layout compared side by side (engine TP=2 vs 1, PP=2 concurrent stage sources vs one gathered
+source, EP=2 vs 1, FP8 vs BF16, LoRA vs full, colocated vs distributed), each a ratio of two measurements of this
+run; `commit` names the checkout that produced the JSON.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, rss_bytes  # noqa: E402
 from _sync_models import FULL_MODELS, MODELS, QUICK_MODELS, ModelSpec, checkpoint_dir, export_units  # noqa: E402
 from bench_fp8 import bench_model as bench_fp8_model  # noqa: E402
+from bench_lora import bench_model as bench_lora_model  # noqa: E402
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.process import EngineLauncher
@@ -655,7 +658,7 @@ def parallel_ratio(section: dict, name: str) -> float:
     return next(r["total_gbps_ratio"] for r in section["cases"] if (r["case"], r["verify"]) == (name, True))
 
 
-def topologies(rows: list[dict], parallel: dict, fp8: dict | None) -> dict:
+def topologies(rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | None) -> dict:
     """One key per topology compared side by side in this run; each value is a ratio of two of its measurements
     (time ratios: > 1 is slower than the baseline named after `_vs_`)."""
     out = {
@@ -674,6 +677,9 @@ def topologies(rows: list[dict], parallel: dict, fp8: dict | None) -> dict:
         out["fp8_vs_bf16_wire_bytes"] = fp8["wire_bytes_ratio"]
         out["fp8_vs_bf16_sync_s"] = fp8["sync_s_ratio"]
         out["fp8_quantize_share"] = fp8["cases"][1]["quantize_share"]
+    if lora is not None:
+        out["lora_vs_full_bytes"] = lora["bytes_ratio"]
+        out["lora_vs_full_sync_s"] = lora["sync_s_ratio"]
     return out
 
 
@@ -817,13 +823,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parallel = bench_parallel(
             quick=args.quick, cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET
         )
-    fp8 = None
+    fp8 = lora = None
     if not args.parallel_only:
-        fp8_model = min(names, key=lambda n: model_size(MODELS[n]))
-        log(f"{fp8_model}: FP8 vs BF16")
-        fp8 = bench_fp8_model(
-            fp8_model, cache=Path(args.cache).expanduser(), block=128, repeats=args.repeats, log_dir=args.log_dir
-        )
+        smallest = min(names, key=lambda n: model_size(MODELS[n]))
+        log(f"{smallest}: FP8 vs BF16")
+        fp8 = bench_fp8_model(smallest, cache=args.cache, block=128, repeats=args.repeats, log_dir=args.log_dir)
+        log(f"{smallest}: LoRA vs full")
+        lora = bench_lora_model(smallest, cache=args.cache, rank=16, repeats=args.repeats, log_dir=args.log_dir)
     result = {
         **(summarize(rows) if rows else {}),
         "quick": args.quick,
@@ -838,7 +844,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": rows,
         "parallel": parallel,
         "fp8": fp8,
-        "topologies": topologies(rows, parallel, fp8),
+        "lora": lora,
+        "topologies": topologies(rows, parallel, fp8, lora),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
