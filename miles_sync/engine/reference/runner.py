@@ -33,6 +33,7 @@ import os
 import threading
 import types
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -310,13 +311,7 @@ def load_target_runner(
 ) -> Runner:
     """The target runner of a checkpoint directory; MTP names (`model.layers.N.*`) in it are ignored."""
     config = read_config(path)
-    runner = Runner(
-        role=Role.TARGET,
-        model=CausalLM(config),
-        layout=layout,
-        weights_lock=weights_lock,
-        quantization=block_from_config(config),
-    )
+    runner = _runner(Role.TARGET, CausalLM(config), config, layout=layout, weights_lock=weights_lock)
     return populate(runner, read_safetensors(path), source=str(path))
 
 
@@ -330,14 +325,7 @@ def load_mtp_runner(path: str | os.PathLike, *, target: Runner, layout: WeightLa
             f"checkpoint {str(path)!r} has no MTP layer: config num_nextn_predict_layers is 0 and no tensor is "
             f"named {prefix}*"
         )
-    model = MTPHead(config)
-    runner = Runner(
-        role=Role.DRAFT,
-        model=model,
-        layout=layout,
-        weights_lock=target.weights_lock,
-        quantization=block_from_config(config),
-    )
+    runner = _runner(Role.DRAFT, MTPHead(config), config, layout=layout, weights_lock=target.weights_lock)
     return populate(runner, tensors, source=str(path))
 
 
@@ -346,14 +334,17 @@ def load_standalone_runner(
 ) -> Runner:
     """A standalone draft model (its own embedding, layers and lm_head under the usual HF names)."""
     config = read_config(path)
-    runner = Runner(
-        role=Role.DRAFT,
-        model=CausalLM(config),
-        layout=layout,
-        weights_lock=weights_lock,
-        quantization=block_from_config(config),
-    )
+    runner = _runner(Role.DRAFT, CausalLM(config), config, layout=layout, weights_lock=weights_lock)
     return populate(runner, read_safetensors(path), source=str(path))
+
+
+def _runner(
+    role: Role, model: torch.nn.Module, config: Any, *, layout: WeightLayout, weights_lock: threading.RLock | None
+) -> Runner:
+    """A runner of `model`, serving in the quantization its checkpoint's config declares (block FP8 or none)."""
+    return Runner(
+        role=role, model=model, layout=layout, weights_lock=weights_lock, quantization=block_from_config(config)
+    )
 
 
 def load_runners(
