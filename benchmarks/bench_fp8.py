@@ -13,7 +13,6 @@ quantization time (`SendResult.quantize_s`, overlapped with sending) as a share 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -24,28 +23,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sync_models import MODELS, checkpoint_dir, export_units  # noqa: E402
+from _sync_models import MODELS, checkpoint_dir, sync_series, tensor_sender  # noqa: E402
 
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.fp8_checkpoint import fp8_checkpoint
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.env import read_environment
-from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import GroupSettings, SyncController
-from miles_sync.sync.selector import SelectorMode
-from miles_sync.sync.sender import Sender, SenderSettings
-from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.sync.controller import GroupSettings
+from miles_sync.sync.sender import Sender
 from miles_sync.weights.fp8 import Fp8Block
-from miles_sync.wire.protocol import PauseMode
 
 HOST = "127.0.0.1"
-CALL_TIMEOUT_S = 300.0
-BUCKET_BYTES = 256 * 2**20
-NO_DRAFT = SelectorInputs(
-    mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
-)
-TIMEOUTS = SessionTimeouts(control_s=300.0, sync_s=1800.0)
 
 
 def log(message: str) -> None:
@@ -66,45 +55,15 @@ class RecordingSender(Sender):
 
 
 def sender(tensors: dict[str, torch.Tensor], *, quantization: Fp8Block | None) -> RecordingSender:
-    settings = SenderSettings(
-        transport="distributed",
-        bucket_bytes=BUCKET_BYTES,
-        bucket_timeout_s=CALL_TIMEOUT_S,
-        open_timeout_s=CALL_TIMEOUT_S,
-        http_timeout_s=CALL_TIMEOUT_S,
-        call_timeout_s=CALL_TIMEOUT_S,
-        quantization=quantization,
-    )
-    return RecordingSender(settings=settings, export=lambda: export_units(tensors), names=lambda: list(tensors))
+    return tensor_sender(tensors, transport="distributed", sender_class=RecordingSender, quantization=quantization)
 
 
 def run_case(url: str, tensors: dict[str, torch.Tensor], *, quantization: Fp8Block | None, repeats: int) -> dict:
     source = sender(tensors, quantization=quantization)
-
-    async def go():
-        controller = SyncController(
-            engine_urls=[url],
-            source=source,
-            transport="distributed",
-            selector_inputs=NO_DRAFT,
-            pause_mode=PauseMode.RETRACT,
-            verify=True,
-            timeouts=TIMEOUTS,
-            group=GroupSettings(master_address=HOST),
-            show_progress=False,
-            quantization=quantization,
-        )
-        await controller.connect()
-        try:
-            await controller.sync()  # warm-up: group set-up, first touch of the buffers
-            return [await controller.sync() for _ in range(repeats)]
-        finally:
-            await controller.close()
-            await source.close()
-
-    reports = asyncio.run(go())
-    if not all(r.committed for r in reports):
-        raise RuntimeError(f"benchmark sync failed: {[r.summary() for r in reports if not r.committed]}")
+    group = GroupSettings(master_address=HOST)
+    reports = sync_series(
+        [url], source, transport="distributed", repeats=repeats, group=group, quantization=quantization
+    )
     results = source.results[1:]
     order = sorted(range(len(reports)), key=lambda i: reports[i].total_s)
     median = order[len(order) // 2]

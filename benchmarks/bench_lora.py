@@ -13,7 +13,6 @@ median sync of `--repeats` after one warm-up: bytes sent, tensors, the sync wall
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -24,29 +23,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sync_models import MODELS, checkpoint_dir, export_units  # noqa: E402
+from _sync_models import MODELS, checkpoint_dir, sync_series, tensor_sender  # noqa: E402
 
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.engine.settings import LoraSettings
 from miles_sync.env import read_environment
-from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import SyncController
 from miles_sync.sync.lora import AdapterPayload, encode_adapter
 from miles_sync.sync.report import SyncReport
-from miles_sync.sync.selector import SelectorMode
-from miles_sync.sync.sender import Sender, SenderSettings
-from miles_sync.sync.session import SelectorInputs, SessionTimeouts
-from miles_sync.wire.protocol import PauseMode
 
-CALL_TIMEOUT_S = 300.0
-BUCKET_BYTES = 256 * 2**20
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-NO_DRAFT = SelectorInputs(
-    mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
-)
-TIMEOUTS = SessionTimeouts(control_s=300.0, sync_s=1800.0)
 
 
 def log(message: str) -> None:
@@ -92,34 +79,6 @@ class AdapterSource:
         self._kept = None
 
 
-def run_series(url: str, source, *, lora_name: str | None, repeats: int) -> list[SyncReport]:
-    async def go() -> list[SyncReport]:
-        controller = SyncController(
-            engine_urls=[url],
-            source=source,
-            transport="colocated",
-            selector_inputs=NO_DRAFT,
-            pause_mode=PauseMode.RETRACT,
-            verify=True,
-            timeouts=TIMEOUTS,
-            show_progress=False,
-            lora_name=lora_name,
-        )
-        await controller.connect()
-        try:
-            await controller.sync()  # warm-up: first touch of the buffers, the adapter slots
-            return [await controller.sync() for _ in range(repeats)]
-        finally:
-            await controller.close()
-            await source.close()
-
-    reports = asyncio.run(go())
-    failed = [r.summary() for r in reports if not r.committed]
-    if failed:
-        raise RuntimeError(f"benchmark sync failed: {failed}")
-    return reports
-
-
 def case_row(case: str, reports: Sequence[SyncReport]) -> dict:
     report = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
     p = report.phases
@@ -136,25 +95,20 @@ def case_row(case: str, reports: Sequence[SyncReport]) -> dict:
 def bench_model(name: str, *, cache: Path, rank: int, repeats: int, log_dir: Path) -> dict:
     model_dir = checkpoint_dir(MODELS[name], cache)
     tensors = read_safetensors(model_dir)
-    settings = SenderSettings(
-        transport="colocated",
-        bucket_bytes=BUCKET_BYTES,
-        bucket_timeout_s=CALL_TIMEOUT_S,
-        open_timeout_s=CALL_TIMEOUT_S,
-        http_timeout_s=CALL_TIMEOUT_S,
-        call_timeout_s=CALL_TIMEOUT_S,
-    )
     lora = LoraSettings(max_rank=rank, target_modules=TARGETS)
     with ExitStack() as stack:
         launcher = EngineLauncher(spec=ReferenceEngineSpec(model_dir=str(model_dir), lora=lora), log_dir=log_dir)
         stack.callback(launcher.stop)
         launcher.start()
         log(f"{name}: full sync x{repeats}")
-        full_source = Sender(settings=settings, export=lambda: export_units(tensors), names=lambda: list(tensors))
-        full = case_row("full", run_series(launcher.url, full_source, lora_name=None, repeats=repeats))
+        full_source = tensor_sender(tensors, transport="colocated")
+        full = case_row("full", sync_series([launcher.url], full_source, transport="colocated", repeats=repeats))
         log(f"{name}: LoRA rank {rank} sync x{repeats}")
         lora_source = AdapterSource(tensors, rank=rank)
-        adapter = case_row(f"lora r{rank}", run_series(launcher.url, lora_source, lora_name="policy", repeats=repeats))
+        adapter = case_row(
+            f"lora r{rank}",
+            sync_series([launcher.url], lora_source, transport="colocated", repeats=repeats, lora_name="policy"),
+        )
     return {
         "model": name,
         "rank": rank,

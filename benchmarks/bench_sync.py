@@ -71,7 +71,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, rss_bytes  # noqa: E402
-from _sync_models import FULL_MODELS, MODELS, QUICK_MODELS, ModelSpec, checkpoint_dir, export_units  # noqa: E402
+from _sync_models import (  # noqa: E402
+    CALL_TIMEOUT_S,
+    FULL_MODELS,
+    MODELS,
+    NO_DRAFT,
+    QUICK_MODELS,
+    TIMEOUTS,
+    ModelSpec,
+    checkpoint_dir,
+    export_units,
+    tensor_sender,
+)
 from bench_fp8 import bench_model as bench_fp8_model  # noqa: E402
 from bench_lora import bench_model as bench_lora_model  # noqa: E402
 
@@ -80,12 +91,9 @@ from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
 from miles_sync.env import adopt_bind_host
-from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import GroupSettings, SyncController
 from miles_sync.sync.report import BucketProgress, SyncReport
-from miles_sync.sync.selector import SelectorMode
-from miles_sync.sync.sender import Sender, SenderSettings
-from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.sync.sender import Sender
 from miles_sync.sync.weight_source import SendResult
 from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
@@ -96,11 +104,6 @@ from miles_sync.wire.protocol import PauseMode, Selector
 MIB = 2**20
 HOST = "127.0.0.1"
 DEFAULT_BUCKET = 256 * MIB
-NO_DRAFT = SelectorInputs(
-    mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
-)
-TIMEOUTS = SessionTimeouts(control_s=300.0, sync_s=1800.0)
-CALL_TIMEOUT_S = 300.0
 ENGINES = 2  # per model; the engine sweep goes to 4
 ENGINE_TP = 2  # the TP case's engine, measured against a TP=1 engine
 
@@ -117,16 +120,8 @@ def gbps(num_bytes: int, seconds: float) -> float:
 
 
 def model_sender(tensors: dict[str, torch.Tensor], *, transport: str, bucket_bytes: int, verify: bool) -> Sender:
-    settings = SenderSettings(
-        transport=transport,
-        bucket_bytes=bucket_bytes,
-        bucket_timeout_s=CALL_TIMEOUT_S,
-        open_timeout_s=CALL_TIMEOUT_S,
-        http_timeout_s=CALL_TIMEOUT_S,
-        call_timeout_s=CALL_TIMEOUT_S,
-        hash_buckets=verify,  # as actors.controller.controller_args sets it
-    )
-    return Sender(settings=settings, export=lambda: export_units(tensors), names=lambda: list(tensors))
+    # hash_buckets follows verify, as actors.controller.controller_args sets it
+    return tensor_sender(tensors, transport=transport, bucket_bytes=bucket_bytes, hash_buckets=verify)
 
 
 class PerTensorSource:
