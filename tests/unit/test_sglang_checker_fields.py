@@ -1,8 +1,8 @@
 """The vendored SGLang `/weights_checker` field lists: still SGLang's, and exactly what our wire records carry.
 
-The copy (tests/data/sglang_checker_fields.json) is re-derived from the SGLang wheel it names when that wheel can
-be had: one already downloaded under the temp directory, else `pip download` with a short timeout (the only test
-here that reaches out; it skips, naming why, when the index cannot be reached). The other tests use the copy.
+The copy (tests/data/sglang_checker_fields.json) is re-derived from the SGLang wheel it names (the `sglang_wheel`
+fixture: one already under the temp directory, else `pip download` with a short timeout, once per session; the only
+test here that reaches out skips, naming why, when the index cannot be reached). The other tests use the copy.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The vendored SGLang adapter records (tests/data/sglang_lora_fields.json): still SGLang's, and field for field what
 our wire records carry.
 
-The copy is re-derived from the released sglang wheel it names when one is already under the temp directory (the
-checker fields' test downloads it there when the index can be reached); else it skips, naming why.
+The copy is re-derived from the released sglang wheel it names (the `sglang_wheel` fixture: fetched once per session,
+never installed or imported); that test skips, naming why, only where no package index is reachable.
 """
 
 from __future__ import annotations
