@@ -178,8 +178,10 @@ class RemoteTrainerSource:
     ) -> SendResult:
         return await self._stages().send(selector=selector, on_bucket=on_bucket, engine_digests=engine_digests)
 
-    async def stage(self) -> StageResult:
-        return await self._stages().stage()
+    async def stage(
+        self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
+    ) -> StageResult:
+        return await self._stages().stage(selector=selector, engine_digests=engine_digests)
 
     async def close(self) -> None:
         if self._pipeline is None:  # never connected: every rank may still hold a transport of an earlier owner
@@ -319,8 +321,17 @@ class StageSource:
             _RECEIVERS.pop(token, None)
         return sent.result
 
-    async def stage(self) -> StageResult:
-        results = await self._calls.on_all(self._trainers, "stage", timeout_s=self._calls.rank_timeout_s)
+    async def stage(
+        self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
+    ) -> StageResult:
+        # Every rank packs (the export's collectives pair up); only the source rank predicts engine digests.
+        results = await self._calls.on_all(
+            self._trainers,
+            "stage",
+            timeout_s=self._calls.rank_timeout_s,
+            selector=selector,
+            engine_digests=engine_digests,
+        )
         return results[self._source_index]
 
     async def close(self) -> None:

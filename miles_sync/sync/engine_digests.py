@@ -62,6 +62,7 @@ __all__ = [
     "EngineDigester",
     "EngineLayout",
     "FleetLayouts",
+    "PredictedDigests",
     "engine_layout",
     "plan_engine_digests",
     "read_model_config",
@@ -119,6 +120,19 @@ class EngineDigestPlan:
 
     def __bool__(self) -> bool:
         return bool(self.layouts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictedDigests:
+    """Engine digests a staged export predicted ahead of the pause, for the selector and plan it was given."""
+
+    selector: Selector
+    plan: EngineDigestPlan
+    checksums: dict[EngineLayout, tuple[dict[str, str], ...]]
+
+    def matches(self, *, selector: Selector, plan: EngineDigestPlan | None) -> bool:
+        """Whether a send with `selector` and `plan` may return these instead of hashing again."""
+        return bool(plan) and selector == self.selector and plan == self.plan
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ import torch
 
 from miles_sync.export.units import ExportedUnit, quantize_unit
 from miles_sync.sync.buffers import BucketBuffers
+from miles_sync.sync.engine_digests import PredictedDigests
 from miles_sync.sync.plan import BucketPlan, plan_buckets
 from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.weights.fp8 import Fp8Block
@@ -69,12 +70,21 @@ def bucket_tensors(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:
 
 
 class StagedStream:
-    """Buckets packed by `Sender.stage`, replayed in order by the next send; the export already ran."""
+    """Buckets packed by `Sender.stage`, replayed in order by the next send; the export already ran. `digests`:
+    the engine digests stage predicted from them (None when it was given no plan)."""
 
-    def __init__(self, buckets: Sequence[PackedBucket], *, export_s: float, pack_s: float) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[PackedBucket],
+        *,
+        export_s: float,
+        pack_s: float,
+        digests: PredictedDigests | None = None,
+    ) -> None:
         self._buckets = deque(buckets)
         self.export_s = export_s
         self.pack_s = pack_s
+        self.digests = digests
 
     def next_bucket(self) -> PackedBucket | None:
         # popleft: a sent bucket's buffer is freed as soon as the transport is done with it.

@@ -29,7 +29,13 @@ from typing import Any
 
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
-from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource, accepts_engine_digests
+from miles_sync.sync.weight_source import (
+    SendResult,
+    StageResult,
+    WeightSource,
+    accepts_engine_digests,
+    stages_engine_digests,
+)
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
@@ -106,13 +112,20 @@ class PipelineSource:
         self._memberships = tuple(bound)
         return bound[0]
 
-    async def stage(self) -> StageResult:
-        """Every stage packs all its buckets now, concurrently; the next `send` only transfers them, in order."""
+    async def stage(
+        self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
+    ) -> StageResult:
+        """Every stage packs all its buckets now, concurrently; the next `send` only transfers them, in order. With
+        a selector and a plan, each stage that can also predicts its engine digests now (`Sender.stage`)."""
         start = time.perf_counter()
         unable = [k for k, s in enumerate(self._stages) if _stage_of(s) is None]
         if unable:
             raise RuntimeError(f"pipeline stages {unable} cannot pack ahead (their sources have no stage())")
-        results = await _all(enumerate(self._stages), "staging", lambda s: _stage_of(s)())
+        results = await _all(
+            enumerate(self._stages),
+            "staging",
+            lambda s: _stage_ahead(s, selector=selector, plan=engine_digests),
+        )
         self._is_staged = True
         return StageResult(
             num_bytes=sum(r.num_bytes for r in results),
@@ -120,6 +133,8 @@ class PipelineSource:
             export_s=sum(r.export_s for r in results),
             pack_s=sum(r.pack_s for r in results),
             stage_s=time.perf_counter() - start,
+            engine_layouts=min(r.engine_layouts for r in results),
+            digest_s=sum(r.digest_s for r in results),
         )
 
     async def send(
@@ -137,7 +152,9 @@ class PipelineSource:
         if not is_staged and self.num_stages > 1:
             ahead = [(k, s) for k, s in enumerate(self._stages) if k > 0 and _stage_of(s) is not None]
             if ahead:
-                packing = asyncio.ensure_future(_all(ahead, "packing ahead", lambda s: _stage_of(s)()))
+                packing = asyncio.ensure_future(
+                    _all(ahead, "packing ahead", lambda s: _stage_ahead(s, selector=selector, plan=engine_digests))
+                )
         results: list[SendResult] = []
         try:
             for stage, source in enumerate(self._stages):
@@ -227,6 +244,16 @@ def _combine(results: Sequence[SendResult], *, start: float) -> SendResult:
         send_s=time.perf_counter() - start,
         engine_checksums=engine_checksums,
     )
+
+
+async def _stage_ahead(source: WeightSource, *, selector: Selector | None, plan: EngineDigestPlan | None) -> Any:
+    """`source.stage()`, given the selector and plan where it takes them (it then predicts the engine digests)."""
+    stage = _stage_of(source)
+    if stage is None:
+        raise RuntimeError("a source without stage() cannot pack ahead")
+    if plan and stages_engine_digests(source):
+        return await stage(selector=selector, engine_digests=plan)
+    return await stage()
 
 
 def _stage_of(source: WeightSource) -> Callable[[], Any] | None:

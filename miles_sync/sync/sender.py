@@ -32,7 +32,7 @@ import torch
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.buffers import DoubleBuffer, FreshBuffers, trim_heap
-from miles_sync.sync.engine_digests import EngineDigester, EngineDigestPlan
+from miles_sync.sync.engine_digests import EngineDigester, EngineDigestPlan, EngineLayout, PredictedDigests
 from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, bucket_checksums, bucket_tensors
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.weight_source import SendResult, StageResult
@@ -237,9 +237,13 @@ class Sender:
             for client in clients:
                 await client.close()
 
-    async def stage(self) -> StageResult:
-        """Export and pack every bucket now (every rank, as for `send`); the next `send` transfers these. A later
-        `stage` replaces them; `close` drops them."""
+    async def stage(
+        self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
+    ) -> StageResult:
+        """Export and pack every bucket now (every rank, as for `send`); the next `send` transfers these. With a
+        `selector` and an `engine_digests` plan the source rank also predicts the plan's engine digests now, and a
+        send with the same selector and plan returns them instead of hashing inside the pause. A later `stage`
+        replaces all of it; `close` drops it."""
         start = time.perf_counter()
         self._staged = None
         stream = PackStream(
@@ -249,30 +253,45 @@ class Sender:
             hash_inline=self._settings.hash_buckets,
             quantization=self._settings.quantization,
         )
+        predicting = self.is_source and selector is not None and bool(engine_digests)
+        digester = EngineDigester(engine_digests, names=self._names(), selector=selector) if predicting else None
+        digest_s = 0.0
 
         def pack_all() -> list[PackedBucket]:
+            nonlocal digest_s
             if not self.is_source:
                 stream.drain()  # the export's collectives still pair up with the source's
                 return []
             try:
-                return list(iter(stream.next_bucket, None))
+                buckets = list(iter(stream.next_bucket, None))
             except Exception:
                 with contextlib.suppress(Exception):  # the original failure is the one to report
                     stream.drain()  # as in send: the other ranks' collectives must still pair up
                 raise
+            if digester is not None:  # in send order, as a send's hasher thread would feed it
+                begin = time.perf_counter()
+                for packed in buckets:
+                    digester.add(bucket_tensors(packed.bucket))
+                digest_s = time.perf_counter() - begin
+            return buckets
 
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-stage")
         try:
             buckets = await asyncio.get_running_loop().run_in_executor(worker, pack_all)
         finally:
             worker.shutdown(wait=False)
-        self._staged = StagedStream(buckets, export_s=stream.export_s, pack_s=stream.pack_s)
+        digests = None
+        if digester is not None and selector is not None and engine_digests is not None:
+            digests = PredictedDigests(selector=selector, plan=engine_digests, checksums=digester.finish())
+        self._staged = StagedStream(buckets, export_s=stream.export_s, pack_s=stream.pack_s, digests=digests)
         return StageResult(
             num_bytes=sum(b.bucket.num_bytes for b in buckets),
             num_buckets=len(buckets),
             export_s=stream.export_s,
             pack_s=stream.pack_s,
             stage_s=time.perf_counter() - start,
+            engine_layouts=0 if digests is None else len(digests.checksums),
+            digest_s=digest_s,
         )
 
     async def send(
@@ -287,8 +306,11 @@ class Sender:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         staged, self._staged = self._staged, None
+        predicted = None
         if staged is not None:
             stream: PackStream | StagedStream = staged
+            if staged.digests is not None and staged.digests.matches(selector=selector, plan=engine_digests):
+                predicted = staged.digests.checksums  # hashed before the pause
         else:
             stream = PackStream(
                 self._export(),
@@ -313,7 +335,9 @@ class Sender:
                     send_s=time.perf_counter() - start,
                 )
             digester = (
-                EngineDigester(engine_digests, names=self._names(), selector=selector) if engine_digests else None
+                EngineDigester(engine_digests, names=self._names(), selector=selector)
+                if engine_digests and predicted is None
+                else None
             )
             try:
                 totals = await self._send_buckets(
@@ -335,7 +359,7 @@ class Sender:
             export_s=stream.export_s,
             pack_s=stream.pack_s,
             send_s=time.perf_counter() - start,
-            engine_checksums={} if digester is None else digester.finish(),
+            engine_checksums=_engine_checksums(predicted, digester),
             quantize_s=getattr(stream, "quantize_s", 0.0),  # a staged stream quantized at stage time
         )
 
@@ -412,6 +436,15 @@ class Sender:
         if digester is not None:
             digester.add(bucket_tensors(packed.bucket))
         return checksums
+
+
+def _engine_checksums(
+    predicted: dict[EngineLayout, tuple[dict[str, str], ...]] | None, digester: EngineDigester | None
+) -> dict[EngineLayout, tuple[dict[str, str], ...]]:
+    """A send's engine digests: those its staged export predicted, else its own digester's, else none."""
+    if predicted is not None:
+        return predicted
+    return {} if digester is None else digester.finish()
 
 
 class _Totals:

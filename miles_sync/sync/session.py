@@ -52,7 +52,7 @@ from miles_sync.sync.quantization import check_fleet_quantization
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
 from miles_sync.sync.verify import fleet_verdicts, weights_digest
-from miles_sync.sync.weight_source import SendResult, WeightSource, accepts_engine_digests
+from miles_sync.sync.weight_source import SendResult, WeightSource, accepts_engine_digests, stages_engine_digests
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
@@ -196,9 +196,9 @@ async def _sync(
     t = fleet.timeout_s
     # Which engines' answers the source can predict (engine-exact), decided before the pause.
     layouts = await plan_engine_digests(fleet.engines, selector=selector, timeout_s=t) if verify else FleetLayouts()
-    if staged:  # before the pause: the engines keep generating while the next version is exported and packed
+    if staged:  # before the pause: the engines keep generating while the next version is exported, packed, hashed
         with clock.phase("stage"):
-            await source.stage()
+            await _stage(source, selector=selector, plan=layouts.plan)
     with clock.phase("pause"):
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
         if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running: flushed after the resume
@@ -275,6 +275,14 @@ async def _send(
     if plan and accepts_engine_digests(source):
         return await source.send(selector=selector, on_bucket=on_bucket, engine_digests=plan)
     return await source.send(selector=selector, on_bucket=on_bucket)
+
+
+async def _stage(source: WeightSource, *, selector: Selector, plan: EngineDigestPlan) -> None:
+    # The engine digests too, where the source can predict them at stage time: they are then out of the pause.
+    if plan and stages_engine_digests(source):
+        await source.stage(selector=selector, engine_digests=plan)
+    else:
+        await source.stage()
 
 
 async def _snapshot_and_reset(fleet: _FleetSteps, *, selector: Selector) -> None:

@@ -228,12 +228,17 @@ class ModelSource:
         created the shared segment its handle names (empty on ranks that post nothing)."""
         return () if self._sender is None else self._sender.posted_payloads()
 
-    def stage(self) -> StageResult:
-        """Export and pack the current weights ahead of the next send (every rank at once, as for `send`)."""
+    def stage(self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None) -> StageResult:
+        """Export and pack the current weights ahead of the next send (every rank at once, as for `send`); with a
+        selector and a plan the source rank also predicts the engine digests then (`Sender.stage`)."""
         sender = self._sender
         if sender is None:
             raise RuntimeError(f"rank {self._info.rank}: stage before open()")
-        return self._loop.run(sender.stage(), timeout_s=self._call_timeout_s, what=f"rank {self._info.rank} staging")
+        return self._loop.run(
+            sender.stage(selector=selector, engine_digests=engine_digests),
+            timeout_s=self._call_timeout_s,
+            what=f"rank {self._info.rank} staging",
+        )
 
     def progress(self, *, start: int = 0) -> tuple[BucketProgress, ...]:
         """The buckets the current (or last) send had acknowledged, from the `start`-th on; safe to call while a

@@ -16,7 +16,7 @@ from miles_sync.sync.report import BucketProgress
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
-__all__ = ["SendResult", "StageResult", "WeightSource", "accepts_engine_digests"]
+__all__ = ["SendResult", "StageResult", "WeightSource", "accepts_engine_digests", "stages_engine_digests"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,13 +40,17 @@ class SendResult:
 
 @dataclass(frozen=True, kw_only=True)
 class StageResult:
-    """What one `stage` packed ahead of the pause: `num_bytes` is also the extra memory held until the send."""
+    """What one `stage` packed ahead of the pause: `num_bytes` is also the extra memory held until the send.
+    `engine_layouts`: how many layouts' engine digests it also predicted (`digest_s` seconds), so the next send
+    with the same selector and plan returns them without hashing inside the pause."""
 
     num_bytes: int
     num_buckets: int
     export_s: float
     pack_s: float
     stage_s: float
+    engine_layouts: int = 0
+    digest_s: float = 0.0
 
 
 @runtime_checkable
@@ -64,7 +68,9 @@ class WeightSource(Protocol):
 
     Staged export (optional: `Sender` and the Ray proxy have it): `stage()` exports and packs every bucket of the
     current weights ahead of the session, while the engines still generate; the next `send` then only transfers
-    them. It holds the whole packed model in memory until that send.
+    them. It holds the whole packed model in memory until that send. A `stage(selector=..., engine_digests=...)`
+    (`stages_engine_digests`) also predicts the plan's engine digests then, and the next send with the same
+    selector and plan returns those instead of hashing again.
     """
 
     async def exported_names(self) -> tuple[str, ...]: ...
@@ -86,8 +92,19 @@ class WeightSource(Protocol):
 
 def accepts_engine_digests(source: WeightSource) -> bool:
     """Whether `source.send` takes an `engine_digests` plan (sources written before it do not)."""
+    return _takes_engine_digests(getattr(source, "send", None))
+
+
+def stages_engine_digests(source: WeightSource) -> bool:
+    """Whether `source.stage` takes a selector and an `engine_digests` plan (predicts the digests ahead)."""
+    return _takes_engine_digests(getattr(source, "stage", None))
+
+
+def _takes_engine_digests(method: Callable[..., object] | None) -> bool:
+    if method is None:
+        return False
     try:
-        parameters = inspect.signature(source.send).parameters
+        parameters = inspect.signature(method).parameters
     except (TypeError, ValueError):  # no signature to read: do not pass what it may not take
         return False
     return "engine_digests" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

@@ -168,6 +168,11 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
                     engine_digests=engine_digests if state["settings"].predict_engine_digests else None,
                     on_bucket=lambda progress, request_id=request_id: conn.send((request_id, "progress", progress)),
                 )
+            elif op == "stage":
+                selector, engine_digests = args
+                if not state["settings"].predict_engine_digests:
+                    engine_digests = None
+                result = await state["sender"].stage(selector=selector, engine_digests=engine_digests)
             elif op == "close":
                 result = None if state["sender"] is None else await state["sender"].close()
             elif op == "exit":
@@ -196,6 +201,7 @@ class ProcessSource:
         self._timeout_s = timeout_s
         self._next_id = 0
         self._lock = asyncio.Lock()
+        self.stage_results: list[Any] = []  # every StageResult, in order
 
     async def call(self, op: str, args: Any = None, *, on_progress: Callable | None = None) -> Any:
         async with self._lock:
@@ -231,6 +237,11 @@ class ProcessSource:
 
     async def send(self, *, selector, on_bucket=None, engine_digests=None):
         return await self.call("send", (selector, engine_digests), on_progress=on_bucket)
+
+    async def stage(self, *, selector=None, engine_digests=None):
+        result = await self.call("stage", (selector, engine_digests))
+        self.stage_results.append(result)
+        return result
 
     async def close(self) -> None:
         await self.call("close")

@@ -89,7 +89,9 @@ def shape(reference_checkpoints) -> TPShape:
     return TPShape.from_config(json.loads((reference_checkpoints / "target" / "config.json").read_text()))
 
 
-def controller(urls, source, *, transport: str, selector_inputs: SelectorInputs) -> SyncController:
+def controller(
+    urls, source, *, transport: str, selector_inputs: SelectorInputs, staged: bool = False
+) -> SyncController:
     return SyncController(
         engine_urls=urls,
         source=source,
@@ -97,6 +99,7 @@ def controller(urls, source, *, transport: str, selector_inputs: SelectorInputs)
         selector_inputs=selector_inputs,
         pause_mode=PauseMode.RETRACT,
         verify=True,
+        staged=staged,
         timeouts=TIMEOUTS,
         show_progress=False,
     )
@@ -185,12 +188,14 @@ def test_checker_answers_sglang_shape_per_rank(fleet, checkpoint, shape):
     assert ranks[0]["checksums"] != ranks[1]["checksums"]  # each rank hashes its own slice
 
 
-def test_distributed_sync_into_a_mixed_fleet_commits_verified_per_rank(fleet, source, checkpoint, shape):
+@pytest.mark.parametrize("staged", [False, True], ids=["live", "staged"])
+def test_distributed_sync_into_a_mixed_fleet_commits_verified_per_rank(fleet, source, checkpoint, shape, staged):
     urls = [server.url for server in fleet]
+    source.stage_results.clear()
 
     async def main():
         await source.call("configure", settings("distributed", include_mtp=False))
-        ctl = controller(urls, source, transport="distributed", selector_inputs=FROZEN_DRAFT)
+        ctl = controller(urls, source, transport="distributed", selector_inputs=FROZEN_DRAFT, staged=staged)
         await ctl.connect()
         try:
             reports = []
@@ -210,6 +215,12 @@ def test_distributed_sync_into_a_mixed_fleet_commits_verified_per_rank(fleet, so
         assert all(e.success and e.num_verified_tensors > 0 for e in report.engines), report.engines
         # Each TP=2 engine against its per-rank prediction from the bytes sent; the TP=1 engine by HF digests.
         assert [e.verification for e in report.engines] == ["engine-exact", "engine-exact", "exact"]
+    if staged:  # the one TP=2 layout's digests were predicted while packing ahead, before each pause
+        assert [r.engine_layouts for r in source.stage_results] == [1, 1], source.stage_results
+        assert all(r.digest_s > 0 for r in source.stage_results)
+        assert all(report.phases.stage_s > 0 for report in reports)
+    else:
+        assert source.stage_results == []
     tensors, num_layers = checkpoint
     weights = weights_at_step(tensors, 2)
     expected = expected_ranks(weights, shape=shape, tp_size=2, num_layers=num_layers, selector=Selector.TARGET)

@@ -253,12 +253,14 @@ def make_sender(tensors: dict[str, torch.Tensor]) -> Sender:
     return Sender(settings=settings, export=lambda: iter(units), names=lambda: list(tensors), is_source=True)
 
 
-def send(sender: Sender, *, selector: Selector, plan: EngineDigestPlan, staged: bool = False):
+def send(sender: Sender, *, selector: Selector, plan: EngineDigestPlan, stage: dict | None = None):
+    """One send; with `stage` (the keyword arguments of `Sender.stage`), staged first. Returns the SendResult, and
+    the StageResult is kept on `send.staged`."""
+
     async def main():
         await sender.open(engines=[EngineEndpoint(url="http://127.0.0.1:1", tp_size=2)], membership=None)
         try:
-            if staged:
-                await sender.stage()
+            send.staged = None if stage is None else await sender.stage(**stage)
             return await sender.send(selector=selector, engine_digests=plan)
         finally:
             await sender.close()
@@ -274,12 +276,25 @@ LAYOUTS = (
 )
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_the_sender_predicts_every_ranks_digests_with_sglangs_formulas(memory, staged):
+PLAN = EngineDigestPlan(layouts=LAYOUTS)
+STAGINGS = {
+    "live": None,
+    "staged": {},  # packed ahead; the digests are hashed during the send
+    "staged_with_digests": {"selector": Selector.ALL, "engine_digests": PLAN},  # hashed ahead of the pause too
+    # Predicted for another selector (no draft names): the send must hash again, not return those.
+    "staged_for_another_selector": {"selector": Selector.TARGET, "engine_digests": PLAN},
+}
+
+
+@pytest.mark.parametrize("staging", list(STAGINGS))
+def test_the_sender_predicts_every_ranks_digests_with_sglangs_formulas(memory, staging):
     target, draft = hf_tensors(TARGET_SHAPES, seed=1), hf_tensors(MTP_SHAPES, seed=2)
-    result = send(
-        make_sender({**target, **draft}), selector=Selector.ALL, plan=EngineDigestPlan(layouts=LAYOUTS), staged=staged
-    )
+    stage = STAGINGS[staging]
+    result = send(make_sender({**target, **draft}), selector=Selector.ALL, plan=PLAN, stage=stage)
+    if stage:  # every layout was predicted at stage time
+        assert send.staged.engine_layouts == len(LAYOUTS) and send.staged.digest_s > 0
+    elif stage is not None:
+        assert send.staged.engine_layouts == 0 and send.staged.digest_s == 0
     # q, k and v of a layer straddle buckets (k first): the fused groups were completed across them.
     where = {name: i for i, bucket in enumerate(memory.instances[0].buckets) for name in bucket}
     qkv = [where[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
