@@ -21,6 +21,7 @@ __all__ = [
     "ProcessSample",
     "child_pids",
     "command_name",
+    "cpu_seconds",
     "num_fds",
     "num_threads",
     "rss_bytes",
@@ -47,6 +48,16 @@ def num_threads(pid: int) -> int:
 
 def num_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time `pid` has used so far (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime and stime: fields 14 and 15 of stat(5)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -15,8 +15,14 @@ started from the same checkpoint:
       processes (sender + engines) on this host;
   colocated: miles_sync's shared-memory path vs a pickled copy through a pipe into another process vs one memcpy.
 
+Pause window / sync wall with staged export, per model: verified against the same 2 engines answering SGLang's
+checker digests (`--checksum-names engine`: engine parameters per TP rank, what `pause_fraction` reports; the
+layout digests they are checked against predicted ahead of the pause, and in it for comparison) and against the
+reference engines' HF digests (`pause_fraction_hf_digests`). For the largest model, the share of the machine's cores
+the sender and the engines kept busy over each series (`cpu_busy_*`: near 1, the cores bound it).
+
 Sweeps on the largest model of the run: bucket size (16 MiB to 1 GiB; quick: to 256 MiB) with the peak RSS growth
-of the sending process and of one engine; 1 to 4 engines; staged export on and off (pause window / sync wall); and
+of the sending process and of one engine; 1 to 4 engines; and
 one TP=1 engine against one TP=2 engine (`serve --tp-size 2`: an HTTP front and 2 rank processes), distributed and
 colocated, verify off, with the bytes each engine rank received: for distributed, measured as the TCP bytes its
 sockets received during the measured syncs (the kernel's tcp_info, read with `ss`); for colocated, derived (each
@@ -31,7 +37,8 @@ by tp=1 pp=2 (one source and update group per stage) against pp=1, and a synthet
 the expert gather's cost (EP=2 export - EP=1 export).
 
 Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_to_end_gbps, speedup_vs_per_tensor
-(model with the most tensors), colocated_vs_memcpy, pause_fraction, peak_extra_mem_over_bucket; then the tables
+(model with the most tensors), colocated_vs_memcpy, pause_fraction (and pause_fraction_hf_digests),
+peak_extra_mem_over_bucket; then the tables
 (the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray versions and
 the core count.
 
@@ -39,7 +46,8 @@ FP8 vs BF16 (bench_fp8.py's comparison, on the run's smallest model, 128x128 blo
 and the source's quantization time as a share of it. LoRA vs full (bench_lora.py's comparison, same model, rank 16
 on q/k/v/o/gate/up/down, colocated into one LoRA-serving engine): bytes sent, sync wall and pause window. `topologies`
 holds one key per layout compared side by side (engine TP=2 vs 1, PP=2 concurrent stage sources vs one gathered
-source, EP=2 vs 1, FP8 vs BF16, LoRA vs full, colocated vs distributed), each a ratio of two measurements of this
+source, EP=2 vs 1, FP8 vs BF16, LoRA vs full, colocated vs distributed, layout digests predicted ahead of the
+pause vs in it), each a ratio of two measurements of this
 run; `commit` names the checkout that produced the JSON.
 """
 
@@ -70,7 +78,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
-from _procstat import PeakSampler, rss_bytes  # noqa: E402
+from _procstat import PeakSampler, cpu_seconds, rss_bytes  # noqa: E402
 from _sync_models import (  # noqa: E402
     CALL_TIMEOUT_S,
     FULL_MODELS,
@@ -94,12 +102,12 @@ from miles_sync.env import adopt_bind_host
 from miles_sync.sync.controller import GroupSettings, SyncController
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.sender import Sender
-from miles_sync.sync.weight_source import SendResult
+from miles_sync.sync.weight_source import SendResult, StageResult
 from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
 from miles_sync.transport.group import start_store_server  # noqa: E402
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
-from miles_sync.wire.protocol import PauseMode, Selector
+from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector
 
 MIB = 2**20
 HOST = "127.0.0.1"
@@ -179,6 +187,32 @@ class PerTensorSource:
         self._clients = []
 
 
+class DigestsInPause:
+    """A Sender whose `stage()` takes no engine-digest plan, so a staged send predicts the engines' layout digests
+    inside the pause (what every staged sync did before stage() took the plan): the baseline of the engine-digest
+    comparison."""
+
+    def __init__(self, sender: Sender) -> None:
+        self._sender = sender
+
+    async def exported_names(self) -> tuple[str, ...]:
+        return await self._sender.exported_names()
+
+    async def open(
+        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
+    ) -> GroupMembership | None:
+        return await self._sender.open(engines=engines, membership=membership)
+
+    async def stage(self) -> StageResult:
+        return await self._sender.stage()
+
+    async def send(self, **options) -> SendResult:
+        return await self._sender.send(**options)
+
+    async def close(self) -> None:
+        await self._sender.close()
+
+
 # ---- syncs ----------------------------------------------------------------------------------------------------
 
 
@@ -190,6 +224,9 @@ class Measured:
     sender_peak_bytes: int = 0  # over the sender's RSS before the series (its buffers live as long as the Sender)
     engine_peak_bytes: int = 0  # over the RSS the engine had right after it started (its receive buffer persists)
     tcp_received: dict[int, float] = field(default_factory=dict)  # per counted pid: TCP bytes per measured sync
+    # CPU time the sender and the engines used over the measured syncs, over their wall time times the machine's
+    # cores: near 1, the machine's cores (not a wait) bound the series.
+    cpu_busy: float = float("nan")
 
 
 def run_syncs(
@@ -203,6 +240,7 @@ def run_syncs(
     sample_pids: Sequence[int] = (),
     engine_start_rss: dict[int, int] | None = None,
     count_pids: Sequence[int] = (),
+    cpu_pids: Sequence[int] = (),
 ) -> Measured:
     async def go() -> Measured:
         controller = SyncController(
@@ -226,20 +264,28 @@ def run_syncs(
             await controller.sync()  # warm-up: group set-up, first-touch of buffers
             # Counted over the measured syncs only, before the group's sockets close with the controller.
             before = tcp_bytes_received(count_pids)
+            cpu_before, wall_before = {p: cpu_seconds(p) for p in cpu_pids}, time.perf_counter()
             reports = [await controller.sync() for _ in range(repeats)]
+            wall_s = time.perf_counter() - wall_before
+            cpu_busy = sum(cpu_seconds(p) - c for p, c in cpu_before.items()) / (wall_s * (os.cpu_count() or 1))
             received = received_per_pid(before, tcp_bytes_received(count_pids), pids=count_pids, repeats=repeats)
         finally:
             await controller.close()
             await source.close()
             peaks = {} if sampler is None else sampler.stop()
         median = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
+        busy = cpu_busy if cpu_pids else float("nan")
         if sampler is None:
-            return Measured(report=median, tcp_received=received)
+            return Measured(report=median, tcp_received=received, cpu_busy=busy)
         sender, *engines = sample_pids
         start_rss = engine_start_rss or {}
         engine_peak = max((sampler.peak[p] - start_rss.get(p, sampler.baseline[p]) for p in engines), default=0)
         return Measured(
-            report=median, sender_peak_bytes=peaks[sender], engine_peak_bytes=engine_peak, tcp_received=received
+            report=median,
+            sender_peak_bytes=peaks[sender],
+            engine_peak_bytes=engine_peak,
+            tcp_received=received,
+            cpu_busy=busy,
         )
 
     measured = asyncio.run(go())
@@ -417,9 +463,18 @@ def memcpy_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> float:
 class EngineFleet:
     """`count` reference engines of `tp_size` ranks each on one checkpoint; stopped on exit."""
 
-    def __init__(self, stack: ExitStack, model_dir: Path, *, count: int, log_dir: Path, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        stack: ExitStack,
+        model_dir: Path,
+        *,
+        count: int,
+        log_dir: Path,
+        tp_size: int = 1,
+        checksum_names: ChecksumNames | None = None,
+    ) -> None:
         self.launchers = []
-        spec = ReferenceEngineSpec(model_dir=str(model_dir), tp_size=tp_size)
+        spec = ReferenceEngineSpec(model_dir=str(model_dir), tp_size=tp_size, checksum_names=checksum_names)
         for _ in range(count):
             launcher = EngineLauncher(spec=spec, log_dir=log_dir)
             stack.callback(launcher.stop)
@@ -429,6 +484,11 @@ class EngineFleet:
 
     def urls(self, count: int | None = None) -> list[str]:
         return [launcher.url for launcher in self.launchers[:count]]
+
+    def stop(self) -> None:
+        """Stop every engine now (stopping again on exit is harmless)."""
+        for launcher in self.launchers:
+            launcher.stop()
 
     @property
     def pids(self) -> list[int]:
@@ -440,6 +500,20 @@ class EngineFleet:
         with urllib.request.urlopen(f"{launcher.url}/get_server_info", timeout=CALL_TIMEOUT_S) as response:
             state = json.load(response)["internal_states"][0]
         return [int(pid) for pid in state["tp_rank_pids"]] or [launcher.pid]
+
+
+def digest_case(m: Measured) -> dict:
+    """One staged, verified series into engines answering engine-parameter digests: where its wall time went."""
+    report = m.report
+    return {
+        "verification": report.verification,
+        "stage_s": report.phases.stage_s,
+        "pause_window_s": pause_window_s(report),
+        "total_s": report.total_s,
+        "pause_fraction": pause_window_s(report) / report.total_s,
+        "phases": vars(report.phases),
+        "cpu_busy": m.cpu_busy,
+    }
 
 
 def tp_case_row(m: Measured, *, transport: str, engine_tp: int, rank_pids: Sequence[int]) -> dict:
@@ -499,10 +573,13 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             engine_urls: Sequence[str] = urls,
             sample: bool = False,
             count_pids: Sequence[int] = (),
+            cpu_pids: Sequence[int] = pids,
+            digests_in_pause: bool = False,
         ) -> Measured:
+            sender = model_sender(tensors, transport=transport, bucket_bytes=bucket, verify=verify)
             return run_syncs(
                 engine_urls,
-                model_sender(tensors, transport=transport, bucket_bytes=bucket, verify=verify),
+                DigestsInPause(sender) if digests_in_pause else sender,
                 transport=transport,
                 verify=verify,
                 repeats=r,
@@ -510,10 +587,12 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
                 sample_pids=pids if sample else (),
                 engine_start_rss=fleet.start_rss,
                 count_pids=count_pids,
+                cpu_pids=cpu_pids,
             )
 
         log(f"{spec.name}: (a) miles_sync distributed")
-        verified = ours("distributed", verify=True, sample=True).report
+        verified_measured = ours("distributed", verify=True, sample=True)
+        verified = verified_measured.report
         unverified = ours("distributed", verify=False).report
         log(f"  {verified.summary()}")
         log(f"{spec.name}: (b) per-tensor baseline")
@@ -525,12 +604,36 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
         ray_s = ray_object_store_seconds(tensors, num_engines=ENGINES, repeats=r)
         ceiling_s = ceiling_seconds(num_bytes, world_size=ENGINES + 1, repeats=r)
         log(f"{spec.name}: colocated, pickled copy, memcpy")
-        colocated = ours("colocated", verify=False).report
+        colocated_measured = ours("colocated", verify=False)
+        colocated = colocated_measured.report
         colocated_staged = ours("colocated", verify=False, staged=True).report
         colocated_verified = ours("colocated", verify=True).report
         pickled_s = pickled_copy_seconds(tensors, repeats=r)
         memcpy_s = memcpy_seconds(tensors, repeats=r)
-        staged = ours("distributed", verify=True, staged=True).report
+        staged_measured = ours("distributed", verify=True, staged=True)
+        staged = staged_measured.report
+        # The pause fraction as the sync-speed target defines it: verified on the digests SGLang's checker answers
+        # (engine parameters), the same two TP=1 engines otherwise; the layout digests predicted ahead of the
+        # pause (stage() takes the plan), and in it for comparison.
+        log(f"{spec.name}: staged and verified into {ENGINES} engines answering SGLang's engine-parameter digests")
+        sglang_named = EngineFleet(
+            stack, model_dir, count=ENGINES, log_dir=args.log_dir, checksum_names=ChecksumNames.ENGINE
+        )
+        named_pids = [os.getpid(), *sglang_named.pids]
+        engine_digest_cases = {
+            key: digest_case(
+                ours(
+                    "distributed",
+                    verify=True,
+                    staged=True,
+                    engine_urls=sglang_named.urls(),
+                    cpu_pids=named_pids,
+                    digests_in_pause=in_pause,
+                )
+            )
+            for key, in_pause in (("engine_digests_in_pause", True), ("engine_digests_staged", False))
+        }
+        sglang_named.stop()  # its memory is the sweeps' from here on
         row.update(
             ours_send_gbps=gbps(num_bytes, verified.phases.send_s),
             ours_end_to_end_gbps=gbps(num_bytes, verified.total_s),
@@ -556,6 +659,12 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             pause_fraction_staged=pause_window_s(staged) / staged.total_s,
             staged_phases=vars(staged.phases) | {"total_s": staged.total_s},
             staged_extra_bytes=num_bytes,  # stage() holds every packed bucket until the send
+            # Share of the machine's cores the sender and engines kept busy over each series (run_syncs).
+            cpu_busy_verified=verified_measured.cpu_busy,
+            cpu_busy_staged=staged_measured.cpu_busy,
+            cpu_busy_colocated=colocated_measured.cpu_busy,
+            pause_fraction_engine_digests=engine_digest_cases["engine_digests_staged"]["pause_fraction"],
+            **engine_digest_cases,
         )
         if is_sweep_model:
             row["bucket_sweep"] = []
@@ -623,7 +732,10 @@ def summarize(rows: list[dict]) -> dict:
         "speedup_vs_per_tensor": most_tensors["speedup_vs_per_tensor"],
         "speedup_model": {"model": most_tensors["model"], "tensors": most_tensors["tensors"]},
         "colocated_vs_memcpy": largest["colocated_vs_memcpy"],
-        "pause_fraction": largest["pause_fraction_staged"],
+        # Verified on SGLang's engine-parameter digests (the issue's definition); with the reference engine's HF
+        # digests as well, as every run before that reported it.
+        "pause_fraction": largest["pause_fraction_engine_digests"],
+        "pause_fraction_hf_digests": largest["pause_fraction_staged"],
         # Over the sweep rows whose bucket is smaller than the model (else the model, not the bucket, is the unit).
         "peak_extra_mem_over_bucket": max((s["sender_extra_over_bucket"] for s in sweep), default=float("nan")),
         "largest_model": largest["model"],
@@ -663,6 +775,9 @@ def topologies(rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | 
     if rows:
         largest = max(rows, key=lambda row: row["params"])
         out["colocated_vs_distributed_send_gbps"] = largest["colocated_send_gbps"] / largest["ours_send_gbps"]
+        out["staged_pause_s_digests_ahead_vs_in_pause"] = (
+            largest["engine_digests_staged"]["pause_window_s"] / largest["engine_digests_in_pause"]["pause_window_s"]
+        )
         tp_row = next((r for r in rows if r.get("tp_cases")), None)
         if tp_row is not None:
             tp2 = next(c for c in tp_row["tp_cases"] if c["transport"] == "distributed" and c["engine_tp"] > 1)
@@ -723,6 +838,19 @@ def print_tables(result: dict) -> None:
             f"{c['bytes_sent'] / MIB:>10.1f}{per_rank:>15}{min(c['bytes_per_rank']) / c['bytes_sent']:>10.3f}  "
             f"{c['bytes_per_rank_basis']:<9}{c['send_s_over_tp1']:>12.2f}{c['total_s_over_tp1']:>13.2f}"
         )
+    largest = max(result["models"], key=lambda row: row["params"])
+    print(
+        f"\n{largest['model']}: share of the {result['cpu_count']} cores the sender and engines kept busy: "
+        f"verified {largest['cpu_busy_verified']:.2f}, staged {largest['cpu_busy_staged']:.2f}, "
+        f"colocated {largest['cpu_busy_colocated']:.2f}"
+    )
+    for key, where in (("engine_digests_in_pause", "in the pause"), ("engine_digests_staged", "ahead of it")):
+        case = largest[key]
+        print(
+            f"  {ENGINES} engines answering SGLang's digests, staged, verified ({case['verification']}), layout "
+            f"digests predicted {where}: stage {case['stage_s']:.2f} s, pause window {case['pause_window_s']:.2f} s "
+            f"of {case['total_s']:.2f} s ({case['pause_fraction']:.2f}), cores busy {case['cpu_busy']:.2f}"
+        )
     print("\nkeys:")
     for key in (
         "ratio_vs_ceiling",
@@ -730,6 +858,7 @@ def print_tables(result: dict) -> None:
         "speedup_vs_per_tensor",
         "colocated_vs_memcpy",
         "pause_fraction",
+        "pause_fraction_hf_digests",
         "peak_extra_mem_over_bucket",
     ):
         print(f"  {key} = {result[key]:.3f}")

@@ -8,6 +8,7 @@ import pytest
 from miles_sync.engine.kinds import EngineKind, engine_spec
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.settings import EngineSettings
+from miles_sync.wire.protocol import ChecksumNames
 
 HOST = "127.0.0.1"
 
@@ -51,3 +52,13 @@ def test_sglang_command_names_the_tp_size():
 def test_tp_size_below_one_is_refused(make, expected):
     with pytest.raises(ValueError, match=expected):
         make()
+
+
+def test_reference_command_names_the_checksum_names_only_when_chosen():
+    default = ReferenceEngineSpec(model_dir="m").command(host=HOST).argv
+    assert "--checksum-names" not in default  # the server's own default: HF names at TP=1
+    engine = ReferenceEngineSpec(model_dir="m", checksum_names=ChecksumNames.ENGINE).command(host=HOST).argv
+    assert _flag(engine, "--checksum-names") == "engine"
+    assert [a for a in engine if a not in ("--checksum-names", "engine")] == list(default)
+    with pytest.raises(ValueError, match="checksum_names='hf' needs tp_size 1"):
+        ReferenceEngineSpec(model_dir="m", tp_size=2, checksum_names=ChecksumNames.HF)

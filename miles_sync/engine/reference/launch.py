@@ -13,6 +13,7 @@ from miles_sync.engine.settings import EngineSettings, FinalizePolicy, LoraSetti
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.protocol import ChecksumNames
 
 __all__ = ["ReferenceEngineSpec"]
 
@@ -34,6 +35,9 @@ class ReferenceEngineSpec:
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)  # the admin routes' key; a secret as well
     lora: LoraSettings | None = None  # serve LoRA adapters (SGLang's --enable-lora and its room flags)
+    # What /weights_checker checksum answers: ENGINE is what SGLang's checker answers (engine parameters, per TP
+    # rank); None is the server's default (HF names at TP=1, engine parameters at TP>1).
+    checksum_names: ChecksumNames | None = None
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ReferenceEngineSpec:
@@ -64,6 +68,8 @@ class ReferenceEngineSpec:
             problems.append(f"num_threads={self.num_threads} must be at least 1 (or None)")
         if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
             problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive (or None)")
+        if self.checksum_names is not None and self.tp_size > 1 and self.checksum_names is not ChecksumNames.ENGINE:
+            problems.append(f"checksum_names={self.checksum_names.value!r} needs tp_size 1: TP ranks hold shards")
         if (self.draft_dir is not None) != (DraftKind(self.draft_kind) is DraftKind.STANDALONE):
             problems.append(f"draft_dir={self.draft_dir!r} must be given exactly for draft_kind 'standalone'")
         if problems:
@@ -99,6 +105,8 @@ class ReferenceEngineSpec:
             argv += ["--threads", str(self.num_threads)]
         if self.collective_timeout_s is not None:
             argv += ["--collective-timeout-s", str(self.collective_timeout_s)]
+        if self.checksum_names is not None:
+            argv += ["--checksum-names", ChecksumNames(self.checksum_names).value]
         if self.lora is not None:
             argv += ["--enable-lora", "--max-lora-rank", str(self.lora.max_rank)]
             argv += ["--lora-target-modules", *self.lora.target_modules]
