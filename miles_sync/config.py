@@ -114,8 +114,10 @@ class SyncConfig:
     # Refuse a selector whose draft runner the export cannot feed (a frozen draft under `all`). Off only to
     # reproduce what systems without the check do (demo=frozen_draft_bug).
     check_selector: bool = True
-    # Export and pack the whole next version before the pause, while the engines still generate; the pause then
-    # covers only transfer and finalize. Costs one packed copy of the model in the source rank's memory.
+    # Export, pack and hash the whole next version before the pause, while the engines still generate (with the
+    # expected engine-layout digests for engines that answer SGLang's checker digests); the pause then covers
+    # transfer, finalize and the engines' own verification. Costs one packed copy of the model in the source rank's
+    # memory.
     staged: bool = False
     # Prove the update mechanism on the first sync of a fresh fleet (version 0 -> 1): snapshot the engines' weights,
     # reset them to random values, sync, compare. Only when the trainer then holds exactly the weights the engines
