@@ -33,8 +33,8 @@ from miles_sync.sync.weight_source import (
     SendResult,
     StageResult,
     WeightSource,
-    accepts_engine_digests,
-    stages_engine_digests,
+    send_with_digests,
+    stage_with_digests,
 )
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
@@ -124,7 +124,7 @@ class PipelineSource:
         results = await _all(
             enumerate(self._stages),
             "staging",
-            lambda s: _stage_ahead(s, selector=selector, plan=engine_digests),
+            lambda s: stage_with_digests(s, selector=selector, plan=engine_digests),
         )
         self._is_staged = True
         return StageResult(
@@ -153,7 +153,9 @@ class PipelineSource:
             ahead = [(k, s) for k, s in enumerate(self._stages) if k > 0 and _stage_of(s) is not None]
             if ahead:
                 packing = asyncio.ensure_future(
-                    _all(ahead, "packing ahead", lambda s: _stage_ahead(s, selector=selector, plan=engine_digests))
+                    _all(
+                        ahead, "packing ahead", lambda s: stage_with_digests(s, selector=selector, plan=engine_digests)
+                    )
                 )
         results: list[SendResult] = []
         try:
@@ -162,7 +164,9 @@ class PipelineSource:
                     await packing  # a stage that failed to pack ahead fails the send before its turn
                 relay = _Relay(on_bucket, results=results, start=start)
                 try:
-                    results.append(await _send_one(source, selector=selector, on_bucket=relay, plan=engine_digests))
+                    results.append(
+                        await send_with_digests(source, selector=selector, on_bucket=relay, plan=engine_digests)
+                    )
                 except Exception as exc:
                     if self.num_stages == 1:
                         raise
@@ -207,18 +211,6 @@ class _Relay:
             )
 
 
-async def _send_one(
-    source: WeightSource,
-    *,
-    selector: Selector,
-    on_bucket: Callable[[BucketProgress], None],
-    plan: EngineDigestPlan | None,
-) -> SendResult:
-    if plan and accepts_engine_digests(source):
-        return await source.send(selector=selector, on_bucket=on_bucket, engine_digests=plan)
-    return await source.send(selector=selector, on_bucket=on_bucket)
-
-
 def _combine(results: Sequence[SendResult], *, start: float) -> SendResult:
     if len(results) == 1:
         return results[0]
@@ -244,16 +236,6 @@ def _combine(results: Sequence[SendResult], *, start: float) -> SendResult:
         send_s=time.perf_counter() - start,
         engine_checksums=engine_checksums,
     )
-
-
-async def _stage_ahead(source: WeightSource, *, selector: Selector | None, plan: EngineDigestPlan | None) -> Any:
-    """`source.stage()`, given the selector and plan where it takes them (it then predicts the engine digests)."""
-    stage = _stage_of(source)
-    if stage is None:
-        raise RuntimeError("a source without stage() cannot pack ahead")
-    if plan and stages_engine_digests(source):
-        return await stage(selector=selector, engine_digests=plan)
-    return await stage()
 
 
 def _stage_of(source: WeightSource) -> Callable[[], Any] | None:

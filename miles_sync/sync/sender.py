@@ -253,8 +253,9 @@ class Sender:
             hash_inline=self._settings.hash_buckets,
             quantization=self._settings.quantization,
         )
-        predicting = self.is_source and selector is not None and bool(engine_digests)
-        digester = EngineDigester(engine_digests, names=self._names(), selector=selector) if predicting else None
+        digester = None
+        if self.is_source and selector is not None and engine_digests:
+            digester = EngineDigester(engine_digests, names=self._names(), selector=selector)
         digest_s = 0.0
 
         def pack_all() -> list[PackedBucket]:
@@ -281,7 +282,7 @@ class Sender:
         finally:
             worker.shutdown(wait=False)
         digests = None
-        if digester is not None and selector is not None and engine_digests is not None:
+        if digester is not None:  # it exists only with a selector and a plan
             digests = PredictedDigests(selector=selector, plan=engine_digests, checksums=digester.finish())
         self._staged = StagedStream(buckets, export_s=stream.export_s, pack_s=stream.pack_s, digests=digests)
         return StageResult(

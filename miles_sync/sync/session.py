@@ -47,12 +47,12 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, 
 from dataclasses import dataclass, field
 
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.engine_digests import EngineDigestPlan, FleetLayouts, plan_engine_digests, read_model_config
+from miles_sync.sync.engine_digests import FleetLayouts, plan_engine_digests, read_model_config
 from miles_sync.sync.quantization import check_fleet_quantization
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
 from miles_sync.sync.verify import fleet_verdicts, weights_digest
-from miles_sync.sync.weight_source import SendResult, WeightSource, accepts_engine_digests, stages_engine_digests
+from miles_sync.sync.weight_source import SendResult, WeightSource, send_with_digests, stage_with_digests
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
@@ -198,7 +198,7 @@ async def _sync(
     layouts = await plan_engine_digests(fleet.engines, selector=selector, timeout_s=t) if verify else FleetLayouts()
     if staged:  # before the pause: the engines keep generating while the next version is exported, packed, hashed
         with clock.phase("stage"):
-            await _stage(source, selector=selector, plan=layouts.plan)
+            await stage_with_digests(source, selector=selector, plan=layouts.plan)
     with clock.phase("pause"):
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
         if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running: flushed after the resume
@@ -208,7 +208,7 @@ async def _sync(
         await fleet.step("begin", lambda e: e.begin_weight_update(selector, timeout_s=t))
     with clock.phase("send"):
         fleet.attempted.add("send")  # from here on, an engine that does not complete may hold partial weights
-        run.sent = await _send(source, selector=selector, on_bucket=on_bucket, plan=layouts.plan)
+        run.sent = await send_with_digests(source, selector=selector, on_bucket=on_bucket, plan=layouts.plan)
     with clock.phase("finalize"):
         await fleet.step("end", lambda e: e.end_weight_update(timeout_s=t))
         await fleet.step("version", lambda e: e.update_weight_version(version, timeout_s=t))
@@ -261,28 +261,6 @@ async def check_quantization(
     check_fleet_quantization(
         [(e.url, e.info, c) for e, c in zip(engines, configs)], quantization=quantization, exported_names=names
     )
-
-
-async def _send(
-    source: WeightSource,
-    *,
-    selector: Selector,
-    on_bucket: Callable[[BucketProgress], None] | None,
-    plan: EngineDigestPlan,
-) -> SendResult:
-    # A source written before engine digests (a pipeline's own WeightSource) takes no plan: the engines it would
-    # have predicted fall back to the replica check.
-    if plan and accepts_engine_digests(source):
-        return await source.send(selector=selector, on_bucket=on_bucket, engine_digests=plan)
-    return await source.send(selector=selector, on_bucket=on_bucket)
-
-
-async def _stage(source: WeightSource, *, selector: Selector, plan: EngineDigestPlan) -> None:
-    # The engine digests too, where the source can predict them at stage time: they are then out of the pause.
-    if plan and stages_engine_digests(source):
-        await source.stage(selector=selector, engine_digests=plan)
-    else:
-        await source.stage()
 
 
 async def _snapshot_and_reset(fleet: _FleetSteps, *, selector: Selector) -> None:

@@ -16,7 +16,15 @@ from miles_sync.sync.report import BucketProgress
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
-__all__ = ["SendResult", "StageResult", "WeightSource", "accepts_engine_digests", "stages_engine_digests"]
+__all__ = [
+    "SendResult",
+    "StageResult",
+    "WeightSource",
+    "accepts_engine_digests",
+    "send_with_digests",
+    "stage_with_digests",
+    "stages_engine_digests",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +106,30 @@ def accepts_engine_digests(source: WeightSource) -> bool:
 def stages_engine_digests(source: WeightSource) -> bool:
     """Whether `source.stage` takes a selector and an `engine_digests` plan (predicts the digests ahead)."""
     return _takes_engine_digests(getattr(source, "stage", None))
+
+
+async def send_with_digests(
+    source: WeightSource,
+    *,
+    selector: Selector,
+    on_bucket: Callable[[BucketProgress], None] | None,
+    plan: EngineDigestPlan | None,
+) -> SendResult:
+    """`source.send`, with the engine-digest plan where it takes one. A source written before engine digests (a
+    pipeline's own WeightSource) takes none: the engines it would have predicted fall back to the replica check."""
+    if plan and accepts_engine_digests(source):
+        return await source.send(selector=selector, on_bucket=on_bucket, engine_digests=plan)
+    return await source.send(selector=selector, on_bucket=on_bucket)
+
+
+async def stage_with_digests(
+    source: WeightSource, *, selector: Selector | None, plan: EngineDigestPlan | None
+) -> StageResult:
+    """`source.stage()` (the source must have one), with the selector and engine-digest plan where it takes them:
+    it then predicts the engine digests at stage time, out of the pause."""
+    if plan and stages_engine_digests(source):
+        return await source.stage(selector=selector, engine_digests=plan)
+    return await source.stage()
 
 
 def _takes_engine_digests(method: Callable[..., object] | None) -> bool:

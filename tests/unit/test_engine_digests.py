@@ -253,15 +253,19 @@ def make_sender(tensors: dict[str, torch.Tensor]) -> Sender:
     return Sender(settings=settings, export=lambda: iter(units), names=lambda: list(tensors), is_source=True)
 
 
-def send(sender: Sender, *, selector: Selector, plan: EngineDigestPlan, stage: dict | None = None):
-    """One send; with `stage` (the keyword arguments of `Sender.stage`), staged first. Returns the SendResult, and
-    the StageResult is kept on `send.staged`."""
+def send(sender: Sender, *, selector: Selector, plan: EngineDigestPlan):
+    return stage_and_send(sender, selector=selector, plan=plan, stage=None)[1]
+
+
+def stage_and_send(sender: Sender, *, selector: Selector, plan: EngineDigestPlan, stage: dict | None):
+    """(StageResult or None, SendResult) of one send; with `stage` (the keyword arguments of `Sender.stage`), staged
+    first."""
 
     async def main():
         await sender.open(engines=[EngineEndpoint(url="http://127.0.0.1:1", tp_size=2)], membership=None)
         try:
-            send.staged = None if stage is None else await sender.stage(**stage)
-            return await sender.send(selector=selector, engine_digests=plan)
+            staged = None if stage is None else await sender.stage(**stage)
+            return staged, await sender.send(selector=selector, engine_digests=plan)
         finally:
             await sender.close()
 
@@ -290,11 +294,11 @@ STAGINGS = {
 def test_the_sender_predicts_every_ranks_digests_with_sglangs_formulas(memory, staging):
     target, draft = hf_tensors(TARGET_SHAPES, seed=1), hf_tensors(MTP_SHAPES, seed=2)
     stage = STAGINGS[staging]
-    result = send(make_sender({**target, **draft}), selector=Selector.ALL, plan=PLAN, stage=stage)
+    staged, result = stage_and_send(make_sender({**target, **draft}), selector=Selector.ALL, plan=PLAN, stage=stage)
     if stage:  # every layout was predicted at stage time
-        assert send.staged.engine_layouts == len(LAYOUTS) and send.staged.digest_s > 0
+        assert staged.engine_layouts == len(LAYOUTS) and staged.digest_s > 0
     elif stage is not None:
-        assert send.staged.engine_layouts == 0 and send.staged.digest_s == 0
+        assert staged.engine_layouts == 0 and staged.digest_s == 0
     # q, k and v of a layer straddle buckets (k first): the fused groups were completed across them.
     where = {name: i for i, bucket in enumerate(memory.instances[0].buckets) for name in bucket}
     qkv = [where[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
