@@ -45,6 +45,7 @@ __all__ = [
     "NO_DRAFT",
     "TIMEOUTS",
     "export_units",
+    "pause_window_s",
     "sync_series",
     "tensor_sender",
     "tensor_specs",
@@ -288,6 +289,12 @@ def tensor_sender(
         export=lambda: export_units(tensors),
         names=lambda: list(tensors),
     )
+
+
+def pause_window_s(report: SyncReport) -> float:
+    """Wall time from the pause request to the resume answer (what the engines stop serving for)."""
+    p = report.phases
+    return p.pause_s + p.send_s + p.finalize_s + p.verify_s + p.resume_s
 
 
 def sync_series(urls: list[str], source, *, transport: str, repeats: int, **controller) -> list[SyncReport]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sync_models import MODELS, checkpoint_dir, sync_series, tensor_sender  # noqa: E402
+from _sync_models import MODELS, checkpoint_dir, pause_window_s, sync_series, tensor_sender  # noqa: E402
 
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
@@ -81,13 +81,12 @@ class AdapterSource:
 
 def case_row(case: str, reports: Sequence[SyncReport]) -> dict:
     report = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
-    p = report.phases
     return {
         "case": case,
         "bytes": report.num_bytes,
         "tensors": report.num_tensors,
         "sync_s": report.total_s,
-        "pause_window_s": p.pause_s + p.send_s + p.finalize_s + p.verify_s + p.resume_s,
+        "pause_window_s": pause_window_s(report),
         "verification": report.verification,
     }
 
