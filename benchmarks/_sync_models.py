@@ -39,6 +39,7 @@ __all__ = [
     "QUICK_MODELS",
     "ModelSpec",
     "MoeModelSpec",
+    "benchmark_controller",
     "checkpoint_dir",
     "BUCKET_BYTES",
     "CALL_TIMEOUT_S",
@@ -291,6 +292,22 @@ def tensor_sender(
     )
 
 
+def benchmark_controller(urls: list[str], source, *, transport: str, verify: bool, **controller) -> SyncController:
+    """The SyncController every benchmark sync runs under: no draft, requests retracted at the pause, the benchmark
+    timeouts, no progress bar; `controller`: further SyncController arguments (staged, group, quantization, ...)."""
+    return SyncController(
+        engine_urls=urls,
+        source=source,
+        transport=transport,
+        selector_inputs=NO_DRAFT,
+        pause_mode=PauseMode.RETRACT,
+        verify=verify,
+        timeouts=TIMEOUTS,
+        show_progress=False,
+        **controller,
+    )
+
+
 def pause_window_s(report: SyncReport) -> float:
     """Wall time from the pause request to the resume answer (what the engines stop serving for)."""
     p = report.phases
@@ -304,17 +321,7 @@ def sync_series(urls: list[str], source, *, transport: str, repeats: int, **cont
     lora_name). The controller and the source are closed at the end, also on failure."""
 
     async def go() -> list[SyncReport]:
-        sync = SyncController(
-            engine_urls=urls,
-            source=source,
-            transport=transport,
-            selector_inputs=NO_DRAFT,
-            pause_mode=PauseMode.RETRACT,
-            verify=True,
-            timeouts=TIMEOUTS,
-            show_progress=False,
-            **controller,
-        )
+        sync = benchmark_controller(urls, source, transport=transport, verify=True, **controller)
         await sync.connect()
         try:
             await sync.sync()

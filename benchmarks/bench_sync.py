@@ -83,10 +83,9 @@ from _sync_models import (  # noqa: E402
     CALL_TIMEOUT_S,
     FULL_MODELS,
     MODELS,
-    NO_DRAFT,
     QUICK_MODELS,
-    TIMEOUTS,
     ModelSpec,
+    benchmark_controller,
     checkpoint_dir,
     export_units,
     pause_window_s,
@@ -100,7 +99,7 @@ from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
 from miles_sync.env import adopt_bind_host
-from miles_sync.sync.controller import GroupSettings, SyncController
+from miles_sync.sync.controller import GroupSettings
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.sender import Sender
 from miles_sync.sync.weight_source import SendResult, StageResult
@@ -108,7 +107,7 @@ from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembers
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
 from miles_sync.transport.group import start_store_server  # noqa: E402
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
-from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector
+from miles_sync.wire.protocol import ChecksumNames, Selector
 
 MIB = 2**20
 HOST = "127.0.0.1"
@@ -244,17 +243,13 @@ def run_syncs(
     cpu_pids: Sequence[int] = (),
 ) -> Measured:
     async def go() -> Measured:
-        controller = SyncController(
-            engine_urls=urls,
-            source=source,
+        controller = benchmark_controller(
+            list(urls),
+            source,
             transport=transport,
-            selector_inputs=NO_DRAFT,
-            pause_mode=PauseMode.RETRACT,
             verify=verify,
-            timeouts=TIMEOUTS,
             staged=staged,
             group=GroupSettings(master_address=HOST),
-            show_progress=False,
         )
         # Sampled from before the first sync: buffers kept between syncs count as the sync's memory too. Free heap
         # left by earlier measurements goes back to the OS first, so that it neither hides nor inflates the growth.
