@@ -44,6 +44,7 @@ __all__ = [
     "VOCAB_PADDING",
     "ShardKind",
     "TPShape",
+    "copy_shard",
     "is_linear_weight",
     "rank_engine_digests",
     "rank_engine_tensors",
@@ -209,6 +210,29 @@ def shard_tensor(hf_name: str, tensor: torch.Tensor, *, shape: TPShape, tp_rank:
     real = max(0, min(end, tensor.shape[0]) - start)
     local[:real] = tensor[start : start + real]
     return local
+
+
+def copy_shard(
+    destination: torch.Tensor, hf_name: str, tensor: torch.Tensor, *, shape: TPShape, tp_rank: int, tp_size: int
+) -> None:
+    """Write `shard_tensor(...)` into `destination` (its shape) in one pass: a vocab shard's rows go straight in and
+    its padding rows are zeroed, as SGLang's vocab-parallel loader does, with no intermediate copy. Raises
+    ValueError, before writing, when the shard's shape is not the destination's."""
+    if shard_kind(hf_name) is not ShardKind.VOCAB:
+        shard = shard_tensor(hf_name, tensor, shape=shape, tp_rank=tp_rank, tp_size=tp_size)
+        _check_shard_shape(hf_name, tuple(shard.shape), destination)
+        destination.copy_(shard)
+        return
+    start, end = shard_rows(hf_name, tensor.shape[0], shape=shape, tp_rank=tp_rank, tp_size=tp_size)
+    _check_shard_shape(hf_name, (end - start, *tensor.shape[1:]), destination)
+    real = max(0, min(end, tensor.shape[0]) - start)
+    destination[:real].copy_(tensor[start : start + real])
+    destination[real:].zero_()
+
+
+def _check_shard_shape(hf_name: str, shard_shape: tuple[int, ...], destination: torch.Tensor) -> None:
+    if shard_shape != tuple(destination.shape):
+        raise ValueError(f"{hf_name}: shard {shard_shape} does not fit its region {tuple(destination.shape)}")
 
 
 def rank_engine_tensors(

@@ -32,8 +32,8 @@ from miles_sync.engine.reference.runner import DRAFT_KINDS, dtype_str, populate
 from miles_sync.weights.checksum import sglang_parameter_names
 from miles_sync.weights.engine_layout import (
     TPShape,
+    copy_shard,
     is_linear_weight,
-    shard_tensor,
     tp_problems,
 )
 from miles_sync.weights.layout import WeightLayout, layout_spec
@@ -157,10 +157,8 @@ class ShardedRunner:
             raise ValueError(f"{self.role} runner rejected the payload: " + "; ".join(problems))
         with self.weights_lock:
             for name, tensor in owned:
-                shard = shard_tensor(name, tensor, shape=self.shape, tp_rank=self.tp_rank, tp_size=self.tp_size)
                 region = self._region(self._part_of[name])
-                assert shard.shape == region.shape, f"{name}: shard {tuple(shard.shape)} vs {tuple(region.shape)}"
-                region.copy_(shard)
+                copy_shard(region, name, tensor, shape=self.shape, tp_rank=self.tp_rank, tp_size=self.tp_size)
             self._loaded.update(name for name, _ in owned)
             self._epoch += 1
         return [name for name, _ in owned]
