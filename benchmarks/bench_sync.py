@@ -13,7 +13,10 @@ started from the same checkpoint:
       actor per engine, copied into preallocated tensors;
   (d) ceiling: one gloo broadcast of a single contiguous buffer of the same bytes among the same number of
       processes (sender + engines) on this host;
-  colocated: miles_sync's shared-memory path vs a pickled copy through a pipe into another process vs one memcpy.
+  colocated: miles_sync's shared-memory path vs a pickled copy through a pipe into another process vs one memcpy,
+      into one TP=1 engine (one pack and one load: the two-copy bound the colocated target is set against, the shape
+      of a colocated deployment, where each engine's GPUs hold the trainer ranks that feed it) and into both engines
+      (one pack, two loads sharing this host's two cores and memory bus).
 
 Pause window / sync wall with staged export, per model: verified against the same 2 engines answering SGLang's
 checker digests (`--checksum-names engine`: engine parameters per TP rank, what `pause_fraction` reports; the
@@ -37,7 +40,8 @@ by tp=1 pp=2 (one source and update group per stage) against pp=1, and a synthet
 the expert gather's cost (EP=2 export - EP=1 export).
 
 Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_to_end_gbps, speedup_vs_per_tensor
-(model with the most tensors), colocated_vs_memcpy, pause_fraction (and pause_fraction_hf_digests),
+(model with the most tensors), colocated_vs_memcpy (one TP=1 engine; colocated_vs_memcpy_tp2 into one TP=2 engine,
+from the TP comparison; colocated_vs_memcpy_two_engines), pause_fraction (and pause_fraction_hf_digests),
 peak_extra_mem_over_bucket; then the tables
 (the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray versions and
 the core count.
@@ -595,8 +599,9 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
         ray_s = ray_object_store_seconds(tensors, num_engines=ENGINES, repeats=r)
         ceiling_s = ceiling_seconds(num_bytes, world_size=ENGINES + 1, repeats=r)
         log(f"{spec.name}: colocated, pickled copy, memcpy")
-        colocated_measured = ours("colocated", verify=False)
+        colocated_measured = ours("colocated", verify=False, engine_urls=urls[:1], cpu_pids=pids[:2])
         colocated = colocated_measured.report
+        colocated_two_engines = ours("colocated", verify=False).report
         colocated_staged = ours("colocated", verify=False, staged=True).report
         colocated_verified = ours("colocated", verify=True).report
         pickled_s = pickled_copy_seconds(tensors, repeats=r)
@@ -642,6 +647,10 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             pickled_copy_gbps=gbps(num_bytes, pickled_s),
             memcpy_gbps=gbps(num_bytes, memcpy_s),
             colocated_vs_memcpy=gbps(num_bytes, colocated.phases.send_s) / gbps(num_bytes, memcpy_s),
+            colocated_two_engines_send_gbps=gbps(num_bytes, colocated_two_engines.phases.send_s),
+            colocated_two_engines_vs_memcpy=(
+                gbps(num_bytes, colocated_two_engines.phases.send_s) / gbps(num_bytes, memcpy_s)
+            ),
             # Staged: packing and hashing ran before the pause, the send phase is the engines' loading only.
             colocated_verified_send_gbps=gbps(num_bytes, colocated_verified.phases.send_s),
             colocated_staged_send_gbps=gbps(num_bytes, colocated_staged.phases.send_s),
@@ -721,7 +730,11 @@ def summarize(rows: list[dict]) -> dict:
         "end_to_end_gbps": largest["ours_end_to_end_gbps"],
         "speedup_vs_per_tensor": most_tensors["speedup_vs_per_tensor"],
         "speedup_model": {"model": most_tensors["model"], "tensors": most_tensors["tensors"]},
+        # One pack and one load (one TP=1 engine), the bound the colocated target names; into one TP=2 engine (the
+        # TP comparison's colocated case); and into two engines sharing this host's cores.
         "colocated_vs_memcpy": largest["colocated_vs_memcpy"],
+        "colocated_vs_memcpy_tp2": colocated_tp2_vs_memcpy(largest),
+        "colocated_vs_memcpy_two_engines": largest["colocated_two_engines_vs_memcpy"],
         # Verified on engine-parameter digests (SGLang's checker format), as the sync-speed target defines it; with HF
         # digests as well, as every run before that reported it.
         "pause_fraction": largest["engine_digests_staged"]["pause_fraction"],
@@ -730,6 +743,13 @@ def summarize(rows: list[dict]) -> dict:
         "peak_extra_mem_over_bucket": max((s["sender_extra_over_bucket"] for s in sweep), default=float("nan")),
         "largest_model": largest["model"],
     }
+
+
+def colocated_tp2_vs_memcpy(row: dict) -> float:
+    """The TP comparison's colocated sync into one TP>1 engine, against the row's memcpy (NaN without the
+    comparison)."""
+    case = next((c for c in row.get("tp_cases", []) if c["transport"] == "colocated" and c["engine_tp"] > 1), None)
+    return float("nan") if case is None else case["send_gbps"] / row["memcpy_gbps"]
 
 
 def model_size(spec: ModelSpec) -> int:
@@ -764,7 +784,10 @@ def topologies(rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | 
     }
     if rows:
         largest = max(rows, key=lambda row: row["params"])
-        out["colocated_vs_distributed_send_gbps"] = largest["colocated_send_gbps"] / largest["ours_send_gbps"]
+        # both into the same two engines
+        out["colocated_vs_distributed_send_gbps"] = (
+            largest["colocated_two_engines_send_gbps"] / largest["ours_send_gbps"]
+        )
         out["staged_pause_s_digests_ahead_vs_in_pause"] = (
             largest["engine_digests_staged"]["pause_window_s"] / largest["engine_digests_in_pause"]["pause_window_s"]
         )
@@ -790,7 +813,8 @@ def print_tables(result: dict) -> None:
         return
     header = (
         f"{'model':<16}{'tensors':>8}{'MiB':>7}{'ours GB/s':>10}{'e2e GB/s':>9}{'ceiling':>8}{'vs ceil':>8}"
-        f"{'per-tensor':>11}{'speedup':>8}{'ray GB/s':>9}{'coloc':>7}{'pickle':>7}{'memcpy':>7}{'pause':>7}"
+        f"{'per-tensor':>11}{'speedup':>8}{'ray GB/s':>9}{'coloc1':>7}{'coloc2':>7}{'pickle':>7}{'memcpy':>7}"
+        f"{'pause':>7}"
     )
     print(header)
     for row in result["models"]:
@@ -798,7 +822,8 @@ def print_tables(result: dict) -> None:
             f"{row['model']:<16}{row['tensors']:>8}{row['bytes'] / MIB:>7.0f}{row['ours_send_gbps']:>10.2f}"
             f"{row['ours_end_to_end_gbps']:>9.2f}{row['ceiling_gbps']:>8.2f}{row['ratio_vs_ceiling']:>8.2f}"
             f"{row['per_tensor_send_gbps']:>11.2f}{row['speedup_vs_per_tensor']:>8.1f}{row['ray_gbps']:>9.2f}"
-            f"{row['colocated_send_gbps']:>7.2f}{row['pickled_copy_gbps']:>7.2f}{row['memcpy_gbps']:>7.2f}"
+            f"{row['colocated_send_gbps']:>7.2f}{row['colocated_two_engines_send_gbps']:>7.2f}"
+            f"{row['pickled_copy_gbps']:>7.2f}{row['memcpy_gbps']:>7.2f}"
             f"{row['pause_fraction_staged']:>7.2f}"
         )
     sweep_row = next(r for r in result["models"] if "bucket_sweep" in r)
@@ -832,7 +857,7 @@ def print_tables(result: dict) -> None:
     print(
         f"\n{largest['model']}: share of the {result['cpu_count']} cores the sender and engines kept busy: "
         f"verified {largest['cpu_busy_verified']:.2f}, staged {largest['cpu_busy_staged']:.2f}, "
-        f"colocated {largest['cpu_busy_colocated']:.2f}"
+        f"colocated into one engine {largest['cpu_busy_colocated']:.2f}"
     )
     for key, where in (("engine_digests_in_pause", "in the pause"), ("engine_digests_staged", "ahead of it")):
         case = largest[key]
@@ -847,6 +872,8 @@ def print_tables(result: dict) -> None:
         "end_to_end_gbps",
         "speedup_vs_per_tensor",
         "colocated_vs_memcpy",
+        "colocated_vs_memcpy_tp2",
+        "colocated_vs_memcpy_two_engines",
         "pause_fraction",
         "pause_fraction_hf_digests",
         "peak_extra_mem_over_bucket",
