@@ -745,10 +745,15 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def tp2_case(row: dict, transport: str) -> dict | None:
+    """The TP comparison's case of `transport` into the TP>1 engine (None for a row without the comparison)."""
+    return next((c for c in row.get("tp_cases", []) if c["transport"] == transport and c["engine_tp"] > 1), None)
+
+
 def colocated_tp2_vs_memcpy(row: dict) -> float:
     """The TP comparison's colocated sync into one TP>1 engine, against the row's memcpy (NaN without the
     comparison)."""
-    case = next((c for c in row.get("tp_cases", []) if c["transport"] == "colocated" and c["engine_tp"] > 1), None)
+    case = tp2_case(row, "colocated")
     return float("nan") if case is None else case["send_gbps"] / row["memcpy_gbps"]
 
 
@@ -793,7 +798,7 @@ def topologies(rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | 
         )
         tp_row = next((r for r in rows if r.get("tp_cases")), None)
         if tp_row is not None:
-            tp2 = next(c for c in tp_row["tp_cases"] if c["transport"] == "distributed" and c["engine_tp"] > 1)
+            tp2 = tp2_case(tp_row, "distributed")
             out["tp2_vs_tp1_total_s"] = tp2["total_s_over_tp1"]
             out["tp2_recv_per_rank_over_sent"] = min(tp2["bytes_per_rank"]) / tp2["bytes_sent"]
     if fp8 is not None:

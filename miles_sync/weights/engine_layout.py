@@ -206,9 +206,8 @@ def shard_tensor(hf_name: str, tensor: torch.Tensor, *, shape: TPShape, tp_rank:
     start, end = shard_rows(hf_name, tensor.shape[0], shape=shape, tp_rank=tp_rank, tp_size=tp_size)
     if kind is not ShardKind.VOCAB:
         return tensor[start:end]
-    local = tensor.new_zeros((end - start, *tensor.shape[1:]))
-    real = max(0, min(end, tensor.shape[0]) - start)
-    local[:real] = tensor[start : start + real]
+    local = tensor.new_empty((end - start, *tensor.shape[1:]))
+    _write_vocab_rows(local, tensor, start)
     return local
 
 
@@ -225,7 +224,12 @@ def copy_shard(
         return
     start, end = shard_rows(hf_name, tensor.shape[0], shape=shape, tp_rank=tp_rank, tp_size=tp_size)
     _check_shard_shape(hf_name, (end - start, *tensor.shape[1:]), destination)
-    real = max(0, min(end, tensor.shape[0]) - start)
+    _write_vocab_rows(destination, tensor, start)
+
+
+def _write_vocab_rows(destination: torch.Tensor, tensor: torch.Tensor, start: int) -> None:
+    """A vocab shard from row `start`: the rows `tensor` has, then zero rows for the padding past its end."""
+    real = max(0, min(start + destination.shape[0], tensor.shape[0]) - start)
     destination[:real].copy_(tensor[start : start + real])
     destination[real:].zero_()
 
