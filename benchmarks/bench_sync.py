@@ -22,7 +22,10 @@ Pause window / sync wall with staged export, per model: verified against the sam
 checker digests (`--checksum-names engine`: engine parameters per TP rank, what `pause_fraction` reports; the
 layout digests they are checked against predicted ahead of the pause, and in it for comparison) and against the
 reference engines' HF digests (`pause_fraction_hf_digests`). For the largest model, the share of the machine's cores
-the sender and the engines kept busy over each series (`cpu_busy_*`: near 1, the cores bound it).
+the sender and the engines kept busy over each series (`cpu_busy_*`: near 1, the cores bound it), and the highest
+`ratio_vs_ceiling` this machine's cores allow a verified send (`ratio_vs_ceiling_cpu_bound`: the ceiling's own CPU
+time over its processes, one memcpy per engine and the sender's SHA-256 of the bytes, all measured in the run, over
+the core count).
 
 Sweeps on the largest model of the run: bucket size (16 MiB to 1 GiB; quick: to 256 MiB) with the peak RSS growth
 of the sending process and of one engine; 1 to 4 engines; and
@@ -39,7 +42,8 @@ by tp=1 pp=2 (one source and update group per stage) against pp=1, and a synthet
 (experts gathered to the source) against ep=1: GB/s on send and on total, export s, the ratio to the baseline, and
 the expert gather's cost (EP=2 export - EP=1 export).
 
-Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling, end_to_end_gbps, speedup_vs_per_tensor
+Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling (and ratio_vs_ceiling_cpu_bound),
+end_to_end_gbps, speedup_vs_per_tensor
 (model with the most tensors), colocated_vs_memcpy (one TP=1 engine; colocated_vs_memcpy_tp2 into one TP=2 engine,
 from the TP comparison; colocated_vs_memcpy_two_engines), pause_fraction (and pause_fraction_hf_digests),
 peak_extra_mem_over_bucket; then the tables
@@ -110,6 +114,7 @@ from miles_sync.sync.weight_source import SendResult, StageResult
 from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
 from miles_sync.transport.group import start_store_server  # noqa: E402
+from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
 from miles_sync.wire.protocol import ChecksumNames, Selector
 
@@ -334,18 +339,28 @@ def _ceiling_rank(rank: int, world_size: int, port: int, num_bytes: int, repeats
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     buffer = torch.ones(num_bytes, dtype=torch.uint8) if rank == 0 else torch.empty(num_bytes, dtype=torch.uint8)
     times = []
-    for _ in range(repeats + 1):  # the first one warms the connections up
+    cpu_s = 0.0  # this rank's CPU time (all its threads: gloo's included) in the measured broadcasts
+    for i in range(repeats + 1):  # the first one warms the connections up
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         dist.broadcast(buffer, src=0)
         dist.barrier()  # every receiver has the whole buffer
         times.append(time.perf_counter() - start)
-    if rank == 0:
-        out.put(statistics.median(times[1:]))
+        if i:
+            cpu_s += time.process_time() - cpu_start
+    out.put((rank, statistics.median(times[1:]), cpu_s / repeats))
     dist.destroy_process_group()
 
 
-def ceiling_seconds(num_bytes: int, *, world_size: int, repeats: int) -> float:
+@dataclass(frozen=True)
+class Ceiling:
+    """(d): wall time of one broadcast, and the CPU time all its processes used in it (the transfer's own work)."""
+
+    seconds: float
+    cpu_s: float
+
+
+def ceiling_broadcast(num_bytes: int, *, world_size: int, repeats: int) -> Ceiling:
     """(d): one gloo broadcast of `num_bytes` contiguous bytes from rank 0 to world_size - 1 processes."""
     ctx = multiprocessing.get_context("spawn")
     store = start_store_server(host=HOST, timeout_s=300.0)  # listens on loopback only; outlives the ranks
@@ -357,13 +372,34 @@ def ceiling_seconds(num_bytes: int, *, world_size: int, repeats: int) -> float:
     for p in ranks:
         p.start()
     try:
-        return out.get(timeout=600)
+        answers = {rank: (wall_s, cpu_s) for rank, wall_s, cpu_s in (out.get(timeout=600) for _ in ranks)}
+        return Ceiling(seconds=answers[0][0], cpu_s=sum(cpu_s for _, cpu_s in answers.values()))
     finally:
         for p in ranks:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
         del store
+
+
+def sha256_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> float:
+    """The sender's verification hash of every tensor (SHA-256, SGLang's checker digest), in this process."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for t in tensors.values():
+            tensor_checksum(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def verified_cpu_bound(*, ceiling: Ceiling, memcpy_s: float, sha256_s: float, engines: int, cores: int) -> float:
+    """The highest `ratio_vs_ceiling` a verified sync can reach on `cores` cores: at least the ceiling's transfer
+    work, one copy of the bytes into each engine's weights and one hash of them on the sender must run, so the send
+    takes at least their CPU time over the cores. Measured costs of the same run; the sender's packing, the HTTP
+    requests and the engines' unpacking are left out (an optimistic bound)."""
+    work_s = ceiling.cpu_s + engines * memcpy_s + sha256_s
+    return ceiling.seconds / max(ceiling.seconds, work_s / cores)
 
 
 def ray_object_store_seconds(tensors: dict[str, torch.Tensor], *, num_engines: int, repeats: int) -> float:
@@ -597,7 +633,8 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
         log(f"  {per_tensor.summary()}")
         log(f"{spec.name}: (c) Ray object store, (d) ceiling")
         ray_s = ray_object_store_seconds(tensors, num_engines=ENGINES, repeats=r)
-        ceiling_s = ceiling_seconds(num_bytes, world_size=ENGINES + 1, repeats=r)
+        ceiling = ceiling_broadcast(num_bytes, world_size=ENGINES + 1, repeats=r)
+        ceiling_s = ceiling.seconds
         log(f"{spec.name}: colocated, pickled copy, memcpy")
         colocated_measured = ours("colocated", verify=False, engine_urls=urls[:1], cpu_pids=pids[:2])
         colocated = colocated_measured.report
@@ -606,6 +643,7 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
         colocated_verified = ours("colocated", verify=True).report
         pickled_s = pickled_copy_seconds(tensors, repeats=r)
         memcpy_s = memcpy_seconds(tensors, repeats=r)
+        sha256_s = sha256_seconds(tensors, repeats=r)
         staged_measured = ours("distributed", verify=True, staged=True)
         staged = staged_measured.report
         # The pause fraction as the sync-speed target defines it: verified on the digests SGLang's checker answers
@@ -643,6 +681,13 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             ray_gbps=gbps(num_bytes, ray_s),
             ceiling_gbps=gbps(num_bytes, ceiling_s),
             ratio_vs_ceiling=gbps(num_bytes, verified.phases.send_s) / gbps(num_bytes, ceiling_s),
+            # What bounds ratio_vs_ceiling on this machine's cores: the ceiling's CPU time (all its processes), one
+            # memcpy per engine and the sender's SHA-256, each measured here.
+            ceiling_cpu_s=ceiling.cpu_s,
+            sha256_gbps=gbps(num_bytes, sha256_s),
+            ratio_vs_ceiling_cpu_bound=verified_cpu_bound(
+                ceiling=ceiling, memcpy_s=memcpy_s, sha256_s=sha256_s, engines=ENGINES, cores=os.cpu_count() or 1
+            ),
             colocated_send_gbps=gbps(num_bytes, colocated.phases.send_s),
             pickled_copy_gbps=gbps(num_bytes, pickled_s),
             memcpy_gbps=gbps(num_bytes, memcpy_s),
@@ -727,6 +772,7 @@ def summarize(rows: list[dict]) -> dict:
     ]
     return {
         "ratio_vs_ceiling": largest["ratio_vs_ceiling"],
+        "ratio_vs_ceiling_cpu_bound": largest["ratio_vs_ceiling_cpu_bound"],
         "end_to_end_gbps": largest["ours_end_to_end_gbps"],
         "speedup_vs_per_tensor": most_tensors["speedup_vs_per_tensor"],
         "speedup_model": {"model": most_tensors["model"], "tensors": most_tensors["tensors"]},
@@ -864,6 +910,12 @@ def print_tables(result: dict) -> None:
         f"verified {largest['cpu_busy_verified']:.2f}, staged {largest['cpu_busy_staged']:.2f}, "
         f"colocated into one engine {largest['cpu_busy_colocated']:.2f}"
     )
+    print(
+        f"  a verified send needs at least the ceiling's CPU time ({largest['ceiling_cpu_s']:.2f} s over its "
+        f"processes), one memcpy per engine ({largest['memcpy_gbps']:.2f} GB/s) and the sender's SHA-256 "
+        f"({largest['sha256_gbps']:.2f} GB/s): on {result['cpu_count']} cores ratio_vs_ceiling <= "
+        f"{largest['ratio_vs_ceiling_cpu_bound']:.2f} (measured {largest['ratio_vs_ceiling']:.2f})"
+    )
     for key, where in (("engine_digests_in_pause", "in the pause"), ("engine_digests_staged", "ahead of it")):
         case = largest[key]
         print(
@@ -874,6 +926,7 @@ def print_tables(result: dict) -> None:
     print("\nkeys:")
     for key in (
         "ratio_vs_ceiling",
+        "ratio_vs_ceiling_cpu_bound",
         "end_to_end_gbps",
         "speedup_vs_per_tensor",
         "colocated_vs_memcpy",
