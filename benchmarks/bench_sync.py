@@ -863,7 +863,7 @@ def print_tables(result: dict) -> None:
         print_parallel_table(result["parallel"])
         return
     header = (
-        f"{'model':<16}{'tensors':>8}{'MiB':>7}{'ours GB/s':>10}{'e2e GB/s':>9}{'ceiling':>8}{'vs ceil':>8}"
+        f"{'model':<16}{'tensors':>8}{'MiB':>7}{'ours GB/s':>10}{'e2e GB/s':>9}{'ceiling':>8}{'vs ceil':>8}{'bound':>6}"
         f"{'per-tensor':>11}{'speedup':>8}{'ray GB/s':>9}{'coloc1':>7}{'coloc2':>7}{'pickle':>7}{'memcpy':>7}"
         f"{'pause':>7}"
     )
@@ -872,6 +872,7 @@ def print_tables(result: dict) -> None:
         print(
             f"{row['model']:<16}{row['tensors']:>8}{row['bytes'] / MIB:>7.0f}{row['ours_send_gbps']:>10.2f}"
             f"{row['ours_end_to_end_gbps']:>9.2f}{row['ceiling_gbps']:>8.2f}{row['ratio_vs_ceiling']:>8.2f}"
+            f"{row['ratio_vs_ceiling_cpu_bound']:>6.2f}"
             f"{row['per_tensor_send_gbps']:>11.2f}{row['speedup_vs_per_tensor']:>8.1f}{row['ray_gbps']:>9.2f}"
             f"{row['colocated_send_gbps']:>7.2f}{row['colocated_two_engines_send_gbps']:>7.2f}"
             f"{row['pickled_copy_gbps']:>7.2f}{row['memcpy_gbps']:>7.2f}"
