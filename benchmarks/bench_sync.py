@@ -384,13 +384,12 @@ def ceiling_broadcast(num_bytes: int, *, world_size: int, repeats: int) -> Ceili
 
 def sha256_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> float:
     """The sender's verification hash of every tensor (SHA-256, SGLang's checker digest), in this process."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
+
+    def hash_all() -> None:
         for t in tensors.values():
             tensor_checksum(t)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+
+    return median_seconds(hash_all, repeats=repeats)
 
 
 def verified_cpu_bound(*, ceiling: Ceiling, memcpy_s: float, sha256_s: float, engines: int, cores: int) -> float:
@@ -477,13 +476,24 @@ def memcpy_seconds(tensors: dict[str, torch.Tensor], *, repeats: int) -> float:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     out = torch.empty(total, dtype=torch.uint8)
     out.fill_(0)
+    return median_seconds(lambda: copy_into(out, tensors), repeats=repeats)
+
+
+def copy_into(out: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor's bytes into `out` (uint8, at least their total size), back to back in dict order."""
+    offset = 0
+    for t in tensors.values():
+        raw = t.reshape(-1).view(torch.uint8)
+        out[offset : offset + raw.numel()].copy_(raw)
+        offset += raw.numel()
+
+
+def median_seconds(work: Callable[[], object], *, repeats: int) -> float:
+    """Median wall time of `repeats` calls of `work` after one warm-up call."""
     times = []
     for _ in range(repeats + 1):
-        start, offset = time.perf_counter(), 0
-        for t in tensors.values():
-            raw = t.reshape(-1).view(torch.uint8)
-            out[offset : offset + raw.numel()].copy_(raw)
-            offset += raw.numel()
+        start = time.perf_counter()
+        work()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

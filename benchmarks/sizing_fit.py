@@ -47,7 +47,6 @@ from miles_sync.sizing.collective import BroadcastAlgorithm, binomial_depth, bro
 from miles_sync.sizing.costs import Costs  # noqa: E402
 from miles_sync.sizing.projection import Cluster, EngineLayout, TrainerLayout, Transport, project  # noqa: E402
 from miles_sync.sizing.shapes import model_shape  # noqa: E402
-from miles_sync.weights.checksum import tensor_checksum  # noqa: E402
 
 MIB = 2**20
 MAX_ENGINES = 3
@@ -106,27 +105,12 @@ def copy_and_hash_gbps(tensors: dict[str, torch.Tensor], *, repeats: int) -> tup
     """(memcpy into one preallocated buffer, copy into fresh allocations, tensor_checksum) GB/s over `tensors`."""
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     memcpy_s = bench_sync.memcpy_seconds(tensors, repeats=repeats)
-
-    def fresh_copy() -> None:  # one new buffer of the whole size, as large as a bucket: mmap'd, faulted in on copy
-        out, offset = torch.empty(num_bytes, dtype=torch.uint8), 0
-        for t in tensors.values():
-            raw = t.reshape(-1).view(torch.uint8)
-            out[offset : offset + raw.numel()].copy_(raw)
-            offset += raw.numel()
-
-    def hash_all() -> None:
-        for t in tensors.values():
-            tensor_checksum(t)
-
-    rates = [num_bytes / memcpy_s / 1e9]
-    for work in (fresh_copy, hash_all):
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - start)
-        rates.append(num_bytes / statistics.median(times[1:]) / 1e9)
-    return rates[0], rates[1], rates[2]
+    # One new buffer of the whole size per copy, as large as a bucket: mmap'd, faulted in on copy.
+    fresh_s = bench_sync.median_seconds(
+        lambda: bench_sync.copy_into(torch.empty(num_bytes, dtype=torch.uint8), tensors), repeats=repeats
+    )
+    hash_s = bench_sync.sha256_seconds(tensors, repeats=repeats)
+    return num_bytes / memcpy_s / 1e9, num_bytes / fresh_s / 1e9, num_bytes / hash_s / 1e9
 
 
 def fit_broadcast(points: list[tuple[int, int, float]]) -> tuple[float, float]:
