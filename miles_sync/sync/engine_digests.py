@@ -66,6 +66,7 @@ __all__ = [
     "engine_layout",
     "plan_engine_digests",
     "read_model_config",
+    "served_weight_layout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -165,12 +166,7 @@ def engine_layout(
     *, info: ServerInfo, config: Mapping[str, Any] | None, draft: DraftReport | None, selector: Selector
 ) -> EngineLayout:
     """The layout model of one engine; ValueError naming why there is none (the replica check then applies)."""
-    if info.weight_layout is None:
-        raise ValueError("the server does not report its weight_layout (post-processing unknown)")
-    try:
-        weight_layout = WeightLayout(info.weight_layout)
-    except ValueError:
-        raise ValueError(f"weight_layout {info.weight_layout!r} is not modeled") from None
+    weight_layout = served_weight_layout(info)
     if config is None:
         raise ValueError(f"no readable config.json under model_path {info.model_path!r}")
     model_type = config.get("model_type")
@@ -191,6 +187,29 @@ def engine_layout(
         num_target_layers=None if num_layers is None else int(num_layers),
         draft_names=tuple(sorted(draft.owned_names)) if has_draft else (),
     )
+
+
+def served_weight_layout(info: ServerInfo) -> WeightLayout:
+    """The post-load layout of an engine's parameters as its checker hashes them; ValueError naming why it is
+    unknown (the replica check then applies).
+
+    The reference engine reports its `weight_layout`. A real SGLang server reports none, so it is inferred from
+    its device: a CPU server (`device: "cpu"`) hashes its parameters as loaded, with SHA-256 on the CPU, which
+    is what the prediction computes (checked against SGLang 0.5.23 on CPU in tests/sglang/). A GPU server hashes
+    with a Triton kernel and may post-process for its kernels (AITER shuffles on ROCm), neither modeled yet.
+    On CPUs with AMX, SGLang repacks linear weights for its AMX kernels; such a server's answer differs from the
+    prediction and the sync fails verification, naming the parameters, rather than passing unchecked.
+    """
+    if info.weight_layout is not None:
+        try:
+            return WeightLayout(info.weight_layout)
+        except ValueError:
+            raise ValueError(f"weight_layout {info.weight_layout!r} is not modeled") from None
+    if info.device == "cpu":
+        return WeightLayout.NONE
+    if info.device is None:
+        raise ValueError("the server reports neither its weight_layout nor its device (post-processing unknown)")
+    raise ValueError(f"a {info.device} server hashes on its device (Triton) and post-processes for its kernels")
 
 
 async def plan_engine_digests(engines: Sequence[EngineAPI], *, selector: Selector, timeout_s: float) -> FleetLayouts:

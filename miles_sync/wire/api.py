@@ -62,7 +62,8 @@ class ServerInfo:
     engine-parameter digests. `model_path` (SGLang and the reference engine send it) locates the config.json that
     decides the engine's TP split. `weight_layout` is the post-processing the engine applies after loading, the
     wire value of `miles_sync.weights.layout.WeightLayout` ("none", "aiter"; a string here, since this layer sits
-    below the weights layer); only the reference engine sends it, and without it no engine digest can be predicted.
+    below the weights layer); only the reference engine sends it. A real SGLang server does not: its layout is
+    inferred from `device` (SGLang's `--device`; "cpu" for a CPU server) in `miles_sync.sync.engine_digests`.
     """
 
     tp_size: int = 1
@@ -70,6 +71,7 @@ class ServerInfo:
     miles_sync_checksum_names: ChecksumNames = ChecksumNames.ENGINE
     model_path: str | None = None
     weight_layout: str | None = None
+    device: str | None = None
     # The served quantization, as SGLang's server_args name it ("fp8"; None: the checkpoint's dtype), the
     # parameter dtype (a torch name; SGLang may answer "auto") and, for block FP8, the block [rows, cols] the
     # engine expects (reference engine only). A sync checks its own quantization against them before the pause.

@@ -60,6 +60,7 @@ __all__ = [
     "UpdateWeightsFromTensorRequest",
     "WeightUpdateResult",
     "WeightVersionResult",
+    "WeightVersionSpan",
     "WeightsCheckerAction",
     "WeightsCheckerRequest",
     "WeightsCheckerResult",
@@ -487,23 +488,38 @@ TokenLogprob = tuple[float | None, int, str | None]
 
 
 @dataclass(frozen=True, kw_only=True)
+class WeightVersionSpan:
+    """The output tokens [start, end) one weight version produced (SGLang 0.5.23's `meta_info.weight_versions`
+    entries, srt/utils/weight_versions.py)."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class GenerateMetaInfo:
     prompt_tokens: int
     completion_tokens: int
-    weight_version: str  # the version current when the response was produced
+    weight_version: str  # the version that produced the last output token (SGLang: the last span's version)
     finish_reason: FinishReason | None = None
     spec_verify_ct: int | None = None  # speculative decoding only
     spec_accept_rate: float | None = None
     spec_accept_length: float | None = None  # mean tokens accepted per verify step
-    # Every version that produced some of the tokens, oldest first; more than one only when an in_place pause
-    # swapped the weights under a running request. Real SGLang servers do not send it.
-    weight_versions: tuple[str, ...] = ()
+    # The versions that produced the output tokens, oldest first, as token spans; more than one only when weights
+    # changed under a running request (an in_place pause). SGLang 0.5.23 always sends at least one span.
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
     # Only with return_logprob (SGLang's tokenizer_manager.py:2868-2870 sets all three then; absent otherwise):
     # one [logprob, token_id, text-or-null] triple per output token (tokenizer_manager.py:3098-3116), and the
     # prompt's triples from logprob_start_len on (empty by default).
     input_token_logprobs: tuple[TokenLogprob, ...] | None = None
     output_token_logprobs: tuple[TokenLogprob, ...] | None = None
     output_token_logprobs_length: int | None = None
+
+    @property
+    def token_versions(self) -> tuple[str, ...]:
+        """The versions that produced at least one output token, oldest first."""
+        return tuple(span.version for span in self.weight_versions if span.end > span.start)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -244,7 +244,7 @@ def check_versions(answer: Answer, *, order: Sequence[str], windows: Sequence[Sy
     """The versions a response carries are consecutive versions in commit order, the last being its
     `weight_version`, and exactly the one in force when the request lived wholly between two syncs."""
     meta = answer.response.meta_info
-    tagged = list(meta.weight_versions)
+    tagged = list(meta.token_versions)
     if not tagged:
         assert not answer.response.output_ids, f"request {answer.request_id} has tokens but no version"
         return
@@ -274,9 +274,9 @@ def test_200_requests_across_3_retract_syncs_lose_nothing(engines, source):
         assert a.response.meta_info.finish_reason.type is FinishReasonKind.LENGTH
         assert a.response.output_ids == expected_output(a.request_id)  # no token lost or repeated by a retract
         check_versions(a, order=order, windows=windows)
-    seen = {v for a in flat for v in a.response.meta_info.weight_versions}
+    seen = {v for a in flat for v in a.response.meta_info.token_versions}
     assert len(seen) > 1, f"every answer came from version(s) {seen}: the syncs missed the load"
-    spanning = [a for a in flat if len(a.response.meta_info.weight_versions) > 1]
+    spanning = [a for a in flat if len(a.response.meta_info.token_versions) > 1]
     assert spanning, "no request was retracted mid-generation and resumed under a newer version"
 
 
@@ -301,7 +301,7 @@ def test_200_requests_across_3_abort_syncs_report_aborts_and_lose_nothing_else(e
     for a in completed:
         assert a.response.output_ids == expected_output(a.request_id)
         # Abort never resumes a request across a sync: all of a completed request's tokens come from one version.
-        assert len(a.response.meta_info.weight_versions) == 1, (a.request_id, a.response.meta_info.weight_versions)
+        assert len(a.response.meta_info.token_versions) == 1, (a.request_id, a.response.meta_info.weight_versions)
         check_versions(a, order=order, windows=windows)
     seen = {a.response.meta_info.weight_version for a in completed}
     assert len(seen) > 1, f"every completed answer came from version(s) {seen}: the syncs missed the load"

@@ -81,7 +81,7 @@ def test_plain_meta_info(plain: Scheduler) -> None:
     meta = response.meta_info
     assert (meta.prompt_tokens, meta.completion_tokens) == (2, 7)
     assert meta.finish_reason.type is FinishReasonKind.LENGTH and meta.finish_reason.length == 7
-    assert meta.weight_version == "default" and meta.weight_versions == ("default",)
+    assert meta.weight_version == "default" and meta.token_versions == ("default",)
     assert meta.spec_verify_ct is None and meta.spec_accept_length is None
     assert plain.avg_spec_accept_length is None
 
@@ -242,8 +242,8 @@ def test_pause_keeps_every_request_and_tags_versions(reference_checkpoints: Path
     for r in responses:
         assert r.meta_info.finish_reason.type is FinishReasonKind.LENGTH
         assert r.meta_info.weight_version == "v2"
-        assert r.meta_info.weight_versions in (("v1", "v2"), ("v2",))
-    assert any(r.meta_info.weight_versions == ("v1", "v2") for r in responses)
+        assert r.meta_info.token_versions in (("v1", "v2"), ("v2",))
+    assert any(r.meta_info.token_versions == ("v1", "v2") for r in responses)
 
 
 def test_forward_steps_hold_the_weights_lock(reference_checkpoints: Path) -> None:

@@ -198,10 +198,10 @@ def test_32_concurrent_requests_survive_a_retract_pause_and_an_update(server, ta
         meta = response.meta_info
         assert meta.finish_reason.type.value == "length"
         assert len(response.output_ids) == meta.completion_tokens == max_new_tokens
-        assert meta.weight_versions and set(meta.weight_versions) <= {"v1", "v2"} and meta.weight_version == "v2"
+        assert meta.token_versions and set(meta.token_versions) <= {"v1", "v2"} and meta.weight_version == "v2"
         if i in baseline:
             assert response.output_ids == baseline[i]
-    spanning = [r for r in responses.values() if r.meta_info.weight_versions == ("v1", "v2")]
+    spanning = [r for r in responses.values() if r.meta_info.token_versions == ("v1", "v2")]
     assert spanning, "no request was in flight across the update"
     server.ok("/update_weight_version", {"new_version": "default"})
 

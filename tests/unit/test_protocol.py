@@ -54,6 +54,7 @@ SAMPLES: dict[type, object] = {
     ),
     p.WeightUpdateResult: p.WeightUpdateResult(success=False, message="no open session"),
     p.WeightVersionResult: p.WeightVersionResult(success=True, message="ok", new_version="7"),
+    p.WeightVersionSpan: p.WeightVersionSpan(version="3", start=2, end=5),
     p.GenerationControlResult: p.GenerationControlResult(message="paused", status="ok"),
     p.FlushCacheResult: p.FlushCacheResult(status_code=400, message="requests running"),
     p.WeightsCheckerResult: p.WeightsCheckerResult(
@@ -125,7 +126,10 @@ SAMPLES: dict[type, object] = {
         spec_verify_ct=2,
         spec_accept_rate=0.75,
         spec_accept_length=2.5,
-        weight_versions=("1", "2"),
+        weight_versions=(
+            p.WeightVersionSpan(version="1", start=0, end=3),
+            p.WeightVersionSpan(version="2", start=3, end=4),
+        ),
         input_token_logprobs=((None, 1, "a"), (-0.5, 2, None)),
         output_token_logprobs=((-0.25, 7, "x"), (-1.5, 8, None)),
         output_token_logprobs_length=2,
@@ -275,28 +279,37 @@ def test_nested_unknown_key_names_its_path():
 
 
 def test_allow_unknown_reads_a_real_sglang_generate_answer():
-    # Shape of an SGLang /generate answer: more meta_info keys than we read, abort-style finish reason extras.
+    # A real SGLang 0.5.23 /generate answer (CPU server, return_logprob), as it came back: more meta_info keys than
+    # we read, and weight_versions as a list of {version, start, end} objects.
     answer = {
-        "text": "hi",
-        "output_ids": [5, 6],
+        "text": " ab",
+        "output_ids": [32, 177],
         "meta_info": {
-            "id": "a1",
+            "id": "5a930ed845e841a2b656bb8b8350dba7",
             "finish_reason": {"type": "length", "length": 2},
             "prompt_tokens": 3,
+            "weight_version": "default",
+            "num_retractions": 0,
+            "input_token_logprobs": [],
+            "output_token_logprobs": [[-0.05584270507097244, 32, None], [-0.057970110327005386, 177, None]],
+            "output_token_logprobs_length": 2,
+            "reasoning_tokens": 0,
             "completion_tokens": 2,
             "cached_tokens": 0,
-            "weight_version": "default",
-            "e2e_latency": 0.01,
-            "spec_verify_ct": 1,
-            "spec_accept_rate": 1,
-            "spec_accept_length": 2,
+            "weight_versions": [{"version": "default", "start": 0, "end": 2}],
+            "cached_tokens_details": None,
+            "dp_rank": None,
+            "e2e_latency": 0.019588119999752962,
+            "response_sent_to_client_ts": 1796458713.1240873,
         },
     }
-    with pytest.raises(ValueError, match="meta_info: unknown key\\(s\\) 'id', 'cached_tokens', 'e2e_latency'"):
+    with pytest.raises(ValueError, match="meta_info: unknown key\\(s\\) 'id', 'num_retractions'"):
         p.decode(p.GenerateResponse, answer)
     response = p.decode(p.GenerateResponse, answer, allow_unknown=True)
     assert response.meta_info.finish_reason == p.FinishReason(type=p.FinishReasonKind.LENGTH, length=2)
-    assert response.meta_info.spec_accept_length == 2.0 and response.meta_info.weight_versions == ()
+    assert response.meta_info.weight_versions == (p.WeightVersionSpan(version="default", start=0, end=2),)
+    assert response.meta_info.token_versions == ("default",)
+    assert response.meta_info.output_token_logprobs[1] == (-0.057970110327005386, 177, None)
 
 
 def test_record_validation_runs_on_decode_with_path_prefix():

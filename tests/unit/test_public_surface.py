@@ -60,6 +60,7 @@ PROTOCOL_ALL = {
     "UpdateWeightsFromTensorRequest",
     "WeightUpdateResult",
     "WeightVersionResult",
+    "WeightVersionSpan",
     "WeightsCheckerAction",
     "WeightsCheckerRequest",
     "WeightsCheckerResult",
@@ -154,7 +155,7 @@ WIRE_SCHEMA = {
         ("spec_verify_ct", "int | None", None),
         ("spec_accept_rate", "float | None", None),
         ("spec_accept_length", "float | None", None),
-        ("weight_versions", "tuple[str, ...]", ()),
+        ("weight_versions", "tuple[WeightVersionSpan, ...]", ()),
         ("input_token_logprobs", "tuple[TokenLogprob, ...] | None", None),
         ("output_token_logprobs", "tuple[TokenLogprob, ...] | None", None),
         ("output_token_logprobs_length", "int | None", None),
@@ -276,6 +277,11 @@ WIRE_SCHEMA = {
         ("success", "bool", REQUIRED),
         ("message", "str", REQUIRED),
         ("new_version", "str | None", None),
+    ],
+    "WeightVersionSpan": [
+        ("version", "str", REQUIRED),
+        ("start", "int", REQUIRED),
+        ("end", "int", REQUIRED),
     ],
     "WeightsCheckerRequest": [
         ("action", "WeightsCheckerAction", "checksum"),

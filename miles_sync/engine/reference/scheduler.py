@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -43,6 +44,7 @@ from miles_sync.wire.protocol import (
     PauseMode,
     Role,
     SamplingParams,
+    WeightVersionSpan,
 )
 
 __all__ = ["Scheduler", "choose_token"]
@@ -62,7 +64,8 @@ class _Sequence:
     output_logprobs: list[float] = field(default_factory=list)  # one per output id, only with return_logprob
     target_hidden: torch.Tensor | None = None
     hidden_epoch: int = -1
-    versions: list[str] = field(default_factory=list)
+    # [version, start, end) spans of output tokens, as SGLang's compute_weight_version_spans builds them.
+    version_spans: list[WeightVersionSpan] = field(default_factory=list)
     num_verify: int = 0
     num_proposed: int = 0
     num_accepted: int = 0
@@ -405,8 +408,14 @@ class Scheduler:
         seq.num_proposed += result.num_proposed
         seq.num_accepted += min(result.num_accepted, len(kept))
         seq.target_hidden = result.target_hidden
-        if kept and (not seq.versions or seq.versions[-1] != version):
-            seq.versions.append(version)
+        if kept:
+            end = len(seq.output_ids)
+            last = seq.version_spans[-1] if seq.version_spans else None
+            if last is not None and last.version == version:
+                seq.version_spans[-1] = dataclasses.replace(last, end=end)
+            else:
+                start = 0 if last is None else last.end
+                seq.version_spans.append(WeightVersionSpan(version=version, start=start, end=end))
 
     def _is_finished(self, seq: _Sequence) -> bool:
         return seq.remaining <= 0 or bool(seq.output_ids and seq.output_ids[-1] in self._eos_ids)
@@ -437,16 +446,19 @@ class Scheduler:
     def _response(self, seq: _Sequence, reason: FinishReason) -> GenerateResponse:
         spec = self._proposer is not None
         completion = len(seq.output_ids)
+        # SGLang answers one span of the current version for a request that produced no token yet, and names the
+        # version of the last span as the response's weight_version.
+        spans = tuple(seq.version_spans) or (WeightVersionSpan(version=self._weight_version, start=0, end=0),)
         meta = GenerateMetaInfo(
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=completion,
-            weight_version=self._weight_version,
+            weight_version=spans[-1].version,
             finish_reason=reason,
             spec_verify_ct=seq.num_verify if spec else None,
             spec_accept_rate=(seq.num_accepted / seq.num_proposed if seq.num_proposed else 0.0) if spec else None,
             # Tokens kept per verify step, bonus included; 1.0 when no draft token was ever accepted.
             spec_accept_length=(completion / seq.num_verify if seq.num_verify else 1.0) if spec else None,
-            weight_versions=tuple(seq.versions),
+            weight_versions=spans,
             **self._logprob_fields(seq),
         )
         text = "" if self._tokenizer is None else self._tokenizer.decode(seq.output_ids)

@@ -245,6 +245,7 @@ def create_app(
             {
                 "model_path": settings.model_path,
                 "tp_size": engine.tp_size,
+                "device": "cpu",
                 "speculative_algorithm": _SPECULATIVE_ALGORITHMS.get(settings.draft_kind),
                 "speculative_num_steps": settings.spec_steps if settings.draft_kind != "none" else None,
                 "draft_kind": settings.draft_kind,
