@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the released SGLang 0.5.23 server into its own venv (.venv-sglang; MILES_SYNC_SGLANG_VENV moves it) for
+# Installs the released SGLang 0.5.23 server into its own venv (.venv-sglang) for
 # the real-SGLang test tier and CPU runs of `engines.kind=sglang`. Never into .venv: sglang's metadata pins a CUDA
 # build of torch (2.14.1) and transformers 5, and miles_sync does not depend on sglang. Idempotent (a stamp of the
 # install inputs skips work on re-runs). On a GPU node install SGLang as its own docs say instead.
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv="${MILES_SYNC_SGLANG_VENV:-.venv-sglang}"
+venv=.venv-sglang
 python_bin="${PYTHON:-python3}"
 step() { echo "[install_sglang] $*" >&2; }
 fail() { echo "[install_sglang] FAILED at: $*" >&2; exit 1; }
@@ -41,6 +41,9 @@ step "torch (CPU build) and sglang 0.5.23 (first run takes a few minutes)"
     zstandard distro easydict python-dateutil blobfile gguf dill apache-tvm-ffi loguru jsonschema \
     openai-harmony anthropic mistral_common soundfile 2>&1 | quiet
 
+# The server is started through miles_sync.engine.sglang_launch (stdlib only): miles_sync without its deps.
+"${pip[@]}" --no-deps -e . 2>&1 | quiet
+
 step "CPU import shims (active only with MILES_SYNC_SGLANG_CPU_SHIM=1)"
 site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") || fail "locating site-packages"
 cp launch/sglang_cpu/miles_sync_sglang_cpu_shim.py "$site/"
@@ -49,7 +52,7 @@ echo "import os; os.environ.get('MILES_SYNC_SGLANG_CPU_SHIM') == '1' and __impor
 
 # pip's status is lost in the pipes above: check that the server's entry point imports the way it runs on CPU.
 step "checking that sglang.launch_server imports"
-MILES_SYNC_SGLANG_CPU_SHIM=1 SGLANG_USE_CPU_ENGINE=1 "$py" -c "import sglang.launch_server, sglang.srt.entrypoints.http_server" \
+MILES_SYNC_SGLANG_CPU_SHIM=1 SGLANG_USE_CPU_ENGINE=1 "$py" -c "import sglang.launch_server, sglang.srt.entrypoints.http_server, miles_sync.engine.sglang_launch" \
     || fail "importing sglang.launch_server in $venv (run the line above by hand to see why)"
 torch_version=$("$py" -c "import torch; print(torch.__version__)")
 case "$torch_version" in

@@ -35,9 +35,9 @@ from actors.placement import PlacedGroups, create_placement_groups
 from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
 from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
 from launch.cluster import connect_ray
-from miles_sync.config import MilesSyncConfig, SyncMode, TrainerConfig
+from miles_sync.config import EngineConfig, MilesSyncConfig, SyncMode, TrainerConfig
 from miles_sync.engine.client import EngineClient
-from miles_sync.engine.kinds import engine_spec
+from miles_sync.engine.kinds import EngineKind, engine_spec
 from miles_sync.engine.reference.checkpoints import BUILT_IN_ARCHS, cached_checkpoints
 from miles_sync.engine.reference.fp8_checkpoint import default_block, fp8_checkpoint, fp8_serving_problems
 from miles_sync.engine.rollout import Sample, generate_samples
@@ -67,6 +67,8 @@ from miles_sync.wire.protocol import SamplingParams
 
 __all__ = ["JobActors", "JobResult", "run_job", "start_job_actors"]
 
+# The SGLang server venv launch/install_sglang.sh creates beside .venv.
+SGLANG_VENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv-sglang" / "bin" / "python"
 _START_TIMEOUT_S = 600.0  # engines and trainer ranks import torch/megatron and load the checkpoint
 _PLACEMENT_TIMEOUT_S = 120.0
 _ROUND_MARGIN_S = 60.0  # beyond the sync's own timeout, for the controller to report its precise error
@@ -474,6 +476,8 @@ def _start_engines(
         collective_timeout_s=config.sync.collective_timeout_s,
         speculative_algorithm=config.model.speculative_algorithm,
         lora=config.sync.lora.engine_settings() if config.sync.mode is SyncMode.LORA else None,
+        device=_engine_device(config.engines.device),
+        server_python=_sglang_python(config.engines) if config.engines.kind is EngineKind.SGLANG else None,
     )
     spec = engine_spec(config.engines.kind, settings)
     return create_engines(
@@ -484,6 +488,26 @@ def _start_engines(
         http_timeout_s=config.sync.http_timeout_s,
         timeout_s=_START_TIMEOUT_S,
     )
+
+
+def _engine_device(device: str) -> str | None:
+    """`engines.device` on this node: auto is cpu where torch sees no CUDA device (the engines' nodes are
+    assumed to be of the driver's kind; give cpu or cuda explicitly for a mixed cluster)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return None if torch.cuda.is_available() else "cpu"
+
+
+def _sglang_python(engines: EngineConfig) -> str | None:
+    """The SGLang server's interpreter: `engines.sglang_python`, else the venv launch/install_sglang.sh made
+    (launch/local.sh installs it for engines.kind=sglang), else None (this interpreter: SGLang installed beside
+    miles_sync, as on a GPU image)."""
+    if engines.sglang_python is not None:
+        return engines.sglang_python
+    installed = SGLANG_VENV_PYTHON
+    return str(installed) if installed.is_file() else None
 
 
 def _lora_spec(config: MilesSyncConfig) -> LoraSpec | None:

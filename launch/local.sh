@@ -6,4 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
+# Real SGLang servers run from their own venv (launch/install_sglang.sh), installed on first use.
+for arg in "$@"; do
+    if [ "$arg" = "engines.kind=sglang" ]; then
+        bash launch/install_sglang.sh
+    fi
+done
 exec .venv/bin/python -m launch.run "$@"

@@ -215,6 +215,9 @@ def _megatron_bridge_version() -> str:
         return "(not installed; launch/install_bridge.sh)"
 
 
+_ENGINE_DEVICES = ("auto", "cpu", "cuda")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     count: int = 2
@@ -228,9 +231,16 @@ class EngineConfig:
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     # SGLang's --admin-api-key: with one set, admin routes (weight updates, pause, checker) accept only it.
     admin_api_key: str | None = field(default=None, repr=False)
+    # Launched SGLang servers only: SGLang's --device (auto: cpu where the launching process sees no CUDA device,
+    # which adds the CPU flags of miles_sync.engine.sglang) and the Python that runs them (None: the venv of
+    # launch/install_sglang.sh where it exists, else this interpreter).
+    device: str = "auto"
+    sglang_python: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
+        if self.device not in _ENGINE_DEVICES:
+            problems.append(f"device={self.device!r} must be one of {', '.join(_ENGINE_DEVICES)}")
         if self.count < 1:
             problems.append(f"count={self.count} must be at least 1")
         if self.tp < 1:
@@ -254,10 +264,14 @@ class EngineConfig:
         collective_timeout_s: float | None = None,
         speculative_algorithm: str | None = None,
         lora: LoraSettings | None = None,
+        device: str | None = None,
+        server_python: str | None = None,
     ) -> EngineSettings:
         """What launching one of these engines serving `model_dir` needs (`miles_sync.engine.kinds.engine_spec`).
         `speculative_algorithm`: `model.speculative_algorithm` (SGLang's --speculative-algorithm); `lora`: the
-        adapter room an engine serving LoRA adapters reserves at start (None: base model only)."""
+        adapter room an engine serving LoRA adapters reserves at start (None: base model only). `device` and
+        `server_python`: `device` resolved on the launching node and the SGLang server's interpreter (launch/job.py
+        resolves both; None: SGLang's default device, this interpreter)."""
         return EngineSettings(
             model_dir=model_dir,
             speculative_algorithm=speculative_algorithm,
@@ -271,6 +285,8 @@ class EngineConfig:
             api_key=self.api_key,
             admin_api_key=self.admin_api_key,
             lora=lora,
+            device=device,
+            server_python=server_python,
         )
 
 

@@ -26,6 +26,8 @@ _IF_INET6 = "/proc/net/if_inet6"  # Linux: every IPv6 address with its interface
 # local user can read a command line (/proc/PID/cmdline), only the owner can read an environment.
 ENGINE_API_KEY_VARIABLE = PREFIX + "ENGINE_API_KEY"
 ENGINE_ADMIN_API_KEY_VARIABLE = PREFIX + "ENGINE_ADMIN_API_KEY"  # the same, for the admin routes' key
+# Set in a CPU SGLang server's environment: its venv's .pth file then loads launch/sglang_cpu's import shims.
+CPU_SHIM_VARIABLE = PREFIX + "SGLANG_CPU_SHIM"
 
 
 def _read_str(name: str, default: str) -> str:

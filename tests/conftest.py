@@ -1,5 +1,6 @@
 """Test tiers follow the directory: tests/unit (pure), tests/multiproc (gloo groups, HTTP on loopback),
-tests/ray (local Ray cluster). The marker is applied from the path so `-m unit` selects a tier.
+tests/ray (local Ray cluster), tests/sglang (real SGLang 0.5.23 servers on CPU, from the venv of
+launch/install_sglang.sh). The marker is applied from the path so `-m unit` selects a tier.
 
 Every Ray test is also `slow`: each module starts a Ray cluster and an engine fleet (about 30 s before its first
 test), so `-m "not slow"` is the quick loop (unit tier plus the quick multi-process tests)."""
@@ -13,7 +14,7 @@ import pytest
 
 from miles_sync.env import LOOPBACK_HOST, socket_interface_env
 
-_TIERS = ("unit", "multiproc", "ray")
+_TIERS = ("unit", "multiproc", "ray", "sglang")
 
 # Keep every local process group and server on loopback, and Ray's token file out of the home directory.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps a single-node local cluster's processes on 127.0.0.1; only the simulated

@@ -70,6 +70,8 @@ class EngineSettings:
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)
     lora: LoraSettings | None = None  # None: the engine serves the base model only
+    device: str | None = None  # SGLang's --device ("cpu" adds the CPU flags); None: SGLang's default
+    server_python: str | None = None  # the interpreter that runs an SGLang server; None: this one
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

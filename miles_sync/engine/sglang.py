@@ -1,4 +1,4 @@
-"""The `sglang` engine kind: an SGLang 0.5.23 server (`sglang.launch_server`) on a GPU node.
+"""The `sglang` engine kind: an SGLang 0.5.23 server (`sglang.launch_server`) on a GPU node, or on a CPU machine.
 
 The command line is built from the launch settings, flag by flag (the README's table maps each config key to its
 flag; tests/unit/test_sglang_command.py parses every command with the flags SGLang's parser defines). SGLang needs
@@ -12,19 +12,35 @@ What the sync needs from the server and why no flag asks for it: the weight-upda
 default); the update group takes no timeout flag. `--load-format dummy` is never used: a frozen draft is left out of
 every sync, so its weights must come from the checkpoint. `--enable-memory-saver` serves
 release/resume_memory_occupation, which miles_sync does not call.
+
+On a CPU (`device="cpu"`) the released wheel runs as set up by launch/install_sglang.sh, in its own venv
+(`python`): SGLang's CPU switch (SGLANG_USE_CPU_ENGINE=1; `--device cpu` alone still imports GPU kernels), the
+project's import shims for what PyPI has no CPU build of (MILES_SYNC_SGLANG_CPU_SHIM=1), one OpenMP thread per TP
+rank pinned to its own core (SGLang asserts TP ranks <= NUMA nodes otherwise), and the flags in `CPU_FLAGS`
+(measured on a 2-core machine: torch-native attention and sampling, no grammar backend, no CUDA graphs, a small
+KV pool). The server's interpreter must import `miles_sync.engine.sglang_launch` (stdlib only: the install script
+puts miles_sync into that venv without its dependencies).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 
 from miles_sync.engine.command import LaunchCommand, reserve_port, url_host
 from miles_sync.engine.settings import EngineSettings, LoraSettings
-from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
+from miles_sync.env import CPU_SHIM_VARIABLE, ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 from miles_sync.wire.draft import DraftKind
 
-__all__ = ["SGLANG_DRAFT_KINDS", "SGLANG_LAUNCH_MODULE", "SGLangEngineSpec", "sglang_speculative_problems"]
+__all__ = [
+    "CPU_FLAGS",
+    "SGLANG_DRAFT_KINDS",
+    "cpu_environment",
+    "SGLANG_LAUNCH_MODULE",
+    "SGLangEngineSpec",
+    "sglang_speculative_problems",
+]
 
 # SGLang's algorithm names and the drafts each runs: NEXTN is EAGLE over the MTP layers of the target checkpoint;
 # EAGLE takes those (DeepSeek-style MTP) or a separate EAGLE head; EAGLE3 and STANDALONE a separate draft model;
@@ -37,6 +53,29 @@ SGLANG_DRAFT_KINDS: dict[str, frozenset[DraftKind]] = {
     "NGRAM": frozenset({DraftKind.NGRAM}),
 }
 SGLANG_LAUNCH_MODULE = "miles_sync.engine.sglang_launch"  # the entry point that hands SGLang its keys
+# SGLang 0.5.23 on a CPU without sgl-kernel's CPU build (launch/install_sglang.sh): every flag here was needed to
+# start a dense Qwen3 server on this kind of machine, or keeps its idle cost down (no warm-up request).
+CPU_FLAGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--grammar-backend",
+    "none",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+    "--skip-server-warmup",
+    "--dtype",
+    "float32",
+    "--mem-fraction-static",
+    "0.1",
+    "--max-total-tokens",
+    "4096",
+)
 # Flags extra_args may not give besides those built here: the keys (they travel in the environment) and SGLang's
 # other spellings of built flags.
 _RESERVED_FLAGS = frozenset(
@@ -88,6 +127,8 @@ class SGLangEngineSpec:
     spec_steps: int = 3  # tokens the draft proposes per verify step
     lora: LoraSettings | None = None
     extra_args: tuple[str, ...] = ()
+    device: str | None = None  # SGLang's --device; "cpu" adds CPU_FLAGS and the CPU environment; None: its default
+    python: str | None = None  # the server's interpreter (its own venv); None: this one
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)  # SGLang's --admin-api-key; a secret as well
 
@@ -101,6 +142,8 @@ class SGLangEngineSpec:
             draft_model_path=settings.draft_dir,
             spec_steps=settings.spec_steps,
             lora=settings.lora,
+            device=settings.device,
+            python=settings.server_python,
             api_key=settings.api_key,
             admin_api_key=settings.admin_api_key,
         )
@@ -138,14 +181,21 @@ class SGLangEngineSpec:
     def command(self, *, host: str) -> LaunchCommand:
         """Bind `host` (the node's address, or loopback) on a port free there now; the URL is known in advance."""
         port = reserve_port(host)
-        argv = [sys.executable, "-m", SGLANG_LAUNCH_MODULE, *self._flags(host=host, port=port)]
+        python = sys.executable if self.python is None else self.python
+        argv = [python, "-m", SGLANG_LAUNCH_MODULE, *self._flags(host=host, port=port)]
         keys = ((ENGINE_API_KEY_VARIABLE, self.api_key), (ENGINE_ADMIN_API_KEY_VARIABLE, self.admin_api_key))
-        secrets = {variable: key for variable, key in keys if key is not None}
-        return LaunchCommand(argv=tuple(argv), url=f"http://{url_host(host)}:{port}", env=secrets)
+        env = {variable: key for variable, key in keys if key is not None}
+        if self.device == "cpu":
+            env.update(cpu_environment(self.tp_size))
+        return LaunchCommand(argv=tuple(argv), url=f"http://{url_host(host)}:{port}", env=env)
 
     def _flags(self, *, host: str, port: int, with_extra: bool = True) -> list[str]:
         """SGLang's arguments but the keys, in the README table's order."""
         flags = ["--host", host, "--port", str(port), "--model-path", self.model_path, "--tp-size", str(self.tp_size)]
+        if self.device == "cpu":
+            flags += CPU_FLAGS
+        elif self.device is not None:
+            flags += ["--device", self.device]
         flags += self._speculative_flags()
         if self.lora is not None:
             flags += _lora_flags(self.lora)
@@ -177,6 +227,18 @@ class SGLangEngineSpec:
             "--speculative-num-draft-tokens",
             num_draft_tokens,
         ]
+
+
+def cpu_environment(tp_size: int, *, num_cores: int | None = None) -> dict[str, str]:
+    """The environment of a CPU server with `tp_size` ranks: SGLang's CPU switch, the project's import shims, and
+    one core per rank (SGLANG_CPU_OMP_THREADS_BIND, ranks wrapping around the cores when there are more ranks)."""
+    cores = (os.cpu_count() or 1) if num_cores is None else num_cores
+    return {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        CPU_SHIM_VARIABLE: "1",
+        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(tp_size)),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _lora_flags(lora: LoraSettings) -> list[str]:

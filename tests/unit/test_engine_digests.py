@@ -380,10 +380,23 @@ def test_selector_target_predicts_no_draft_digests(memory):
 # ---- the controller side: which engines have a layout model ---------------------------------------------------
 
 
+def test_a_cpu_sglang_server_without_a_weight_layout_hashes_its_parameters_as_loaded():
+    # What a real SGLang CPU server reports: no weight_layout, device "cpu" (its checker hashes the loaded bytes).
+    server = ServerInfo(tp_size=2, model_path="/m", device="cpu")
+    layout = engine_layout(info=server, config=CONFIG, draft=None, selector=Selector.ALL)
+    assert layout.weight_layout is WeightLayout.NONE and layout.tp_size == 2
+    # A reported layout wins over the device (the reference engine reports both).
+    server = ServerInfo(tp_size=2, model_path="/m", device="cpu", weight_layout="aiter")
+    assert (
+        engine_layout(info=server, config=CONFIG, draft=None, selector=Selector.ALL).weight_layout is WeightLayout.AITER
+    )
+
+
 @pytest.mark.parametrize(
     ("info", "config", "reason"),
     [
-        (dict(weight_layout=None), CONFIG, "does not report its weight_layout"),
+        (dict(weight_layout=None), CONFIG, "reports neither its weight_layout nor its device"),
+        (dict(weight_layout=None, device="cuda"), CONFIG, "a cuda server hashes on its device"),
         (dict(weight_layout="marlin"), CONFIG, "weight_layout 'marlin' is not modeled"),
         (dict(weight_layout="none"), None, "no readable config.json under model_path '/m'"),
         (dict(weight_layout="none"), {**CONFIG, "model_type": "deepseek_v3"}, "model_type 'deepseek_v3'"),

@@ -328,6 +328,8 @@ CONFIG_FIELDS = {
         "spec_steps": None,
         "api_key": None,
         "admin_api_key": None,
+        "device": None,
+        "sglang_python": None,
     },
     "sync": {
         "transport": None,

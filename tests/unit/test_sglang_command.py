@@ -24,9 +24,14 @@ from sglang_flags import (
 from miles_sync.config import EngineConfig, MilesSyncConfig, ModelConfig
 from miles_sync.engine.kinds import EngineKind, engine_spec
 from miles_sync.engine.settings import EngineSettings, LoraSettings
-from miles_sync.engine.sglang import SGLANG_LAUNCH_MODULE, SGLangEngineSpec, sglang_speculative_problems
+from miles_sync.engine.sglang import (
+    SGLANG_LAUNCH_MODULE,
+    SGLangEngineSpec,
+    cpu_environment,
+    sglang_speculative_problems,
+)
 from miles_sync.engine.sglang_launch import server_argv
-from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
+from miles_sync.env import CPU_SHIM_VARIABLE, ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 from miles_sync.wire.draft import DraftKind
 
 HOST = "127.0.0.1"
@@ -293,3 +298,35 @@ def test_the_vendored_flags_are_what_the_sglang_wheel_declares(flags, sglang_whe
 def test_the_check_refuses_what_sglangs_parser_would(flags, args, expected):
     with pytest.raises(ServerArgsError, match=re.escape(expected)):
         parse_server_args(flags, ["--model-path", "m", *args])
+
+
+def test_a_cpu_server_gets_the_cpu_flags_its_own_python_and_one_core_per_rank(flags):
+    spec = SGLangEngineSpec(model_path="/ckpt/target", tp_size=2, device="cpu", python="/venvs/sglang/bin/python")
+    command = spec.command(host=HOST)
+    assert command.argv[:3] == ("/venvs/sglang/bin/python", "-m", SGLANG_LAUNCH_MODULE)
+    args = list(command.argv[3:])
+    # --sampling-backend's choices are computed at SGLang's start (the vendored parser cannot check them).
+    at = args.index("--sampling-backend")
+    assert args[at + 1] == "pytorch"
+    del args[at : at + 2]
+    parsed = parse_server_args(flags, args)  # every other CPU flag is one SGLang 0.5.23 parses
+    parsed.pop("port")
+    assert parsed == {
+        **BASE,
+        "tp_size": 2,
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        "grammar_backend": "none",
+        "cuda_graph_backend_decode": "disabled",
+        "cuda_graph_backend_prefill": "disabled",
+        "skip_server_warmup": True,
+        "dtype": "float32",
+        "mem_fraction_static": 0.1,
+        "max_total_tokens": "4096",  # the vendored parser keeps a value whose field type it cannot read
+    }
+    assert command.env == cpu_environment(2) and command.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert command.env[CPU_SHIM_VARIABLE] == "1"
+    assert cpu_environment(3, num_cores=2)["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1|0"
+    # A GPU server names its device and nothing else of the CPU set.
+    gpu = SGLangEngineSpec(model_path="/ckpt/target", device="cuda").command(host=HOST)
+    assert parse_server_args(flags, _server_args(gpu.argv))["device"] == "cuda" and gpu.env == {}

@@ -29,6 +29,7 @@ class SenderSettings:
     bucket_bytes: int
     include_mtp: bool  # False: the MTP layer is frozen and never exported (raw mode without trained MTP layers)
     skip_names: tuple[str, ...] = ()  # tensors a faulty exporter would drop
+    extra_names: tuple[str, ...] = ()  # small tensors (4 float32 ones) a faulty exporter would add under these names
     # Colocated: plan the feeds from devices (this process and every engine rank on one device), as a placed
     # trainer rank does, instead of the source-feeds-all default.
     plan_feeds: bool = False
@@ -104,9 +105,12 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
     checkpoint, num_hidden_layers = load_checkpoint(target_dir)
     state: dict[str, Any] = {"step": 0, "gate_unit": None, "sender": None, "settings": None}
 
+    def with_extras(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**tensors, **{name: torch.ones(4) for name in state["settings"].extra_names}}
+
     def export():
         units = export_units(
-            weights_at_step(checkpoint, state["step"]),
+            with_extras(weights_at_step(checkpoint, state["step"])),
             num_hidden_layers=num_hidden_layers,
             include_mtp=state["settings"].include_mtp,
             skip_names=state["settings"].skip_names,
@@ -121,7 +125,7 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
     def names():
         settings = state["settings"]
         return exported_names(
-            checkpoint,
+            with_extras(checkpoint),
             num_hidden_layers=num_hidden_layers,
             include_mtp=settings.include_mtp,
             skip_names=settings.skip_names,
