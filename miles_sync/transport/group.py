@@ -149,6 +149,7 @@ class UpdateGroup:
                 raise RuntimeError(f"update group {self.group_name!r} was destroyed")
             if self._broken is not None:
                 raise RuntimeError(f"update group {self.group_name!r} is unusable after: {self._broken}")
+            work = None
             try:
                 work = issue(self._process_group)
                 completed = work.wait(timedelta(seconds=timeout_s))
@@ -157,6 +158,13 @@ class UpdateGroup:
                 if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                     raise TimeoutError(f"{what} in group {self.group_name!r} timed out after {timeout_s} s") from exc
                 raise
+            finally:
+                # A failed collective's Work keeps gloo's connections open (they close only with the last reference
+                # to it): a traceback holding this frame would keep a peer blocked in its receive after destroy(),
+                # and an SGLang engine has no collective timeout to end that receive. Measured on torch 2.13: a
+                # receiver whose root's broadcast failed stayed blocked while the Work lived, and was released
+                # within 0.1 s of destroy() once it did not.
+                del work
             if completed is False:
                 self._broken = f"{what} timed out"
                 raise TimeoutError(f"{what} in group {self.group_name!r} timed out after {timeout_s} s")
