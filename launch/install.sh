@@ -16,7 +16,8 @@ if [ "${MILES_SYNC_TORCH:-cpu}" = "cpu" ]; then
     constraint_args=(-c constraints/cpu.txt)
 fi
 
-stamp_inputs=$(cat pyproject.toml constraints/*.txt launch/install*.sh 2>/dev/null | sha256sum | cut -c1-16)
+stamp_inputs=$(cat pyproject.toml constraints/cpu.txt constraints/bridge.txt launch/install.sh launch/install_bridge.sh \
+    2>/dev/null | sha256sum | cut -c1-16)
 stamp=".venv/.miles_sync-install-${stamp_inputs}-${MILES_SYNC_TORCH:-cpu}"
 if [ -f "$stamp" ]; then
     exit 0

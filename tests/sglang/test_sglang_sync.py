@@ -1,0 +1,300 @@
+"""Syncs into two real SGLang 0.5.23 CPU servers (TP=1) through the controller class: a sender process holding
+the reference checkpoint's tensors, real gloo groups, shared memory and HTTP on loopback.
+
+Every committed sync is verified engine-exact: the source predicts SGLang's per-parameter SHA-256 digests over its
+fused, sharded parameters from the bytes it sent, and the servers' own weights checker answers them. The failure
+drills check what a real server does when a sync fails after bytes landed: held paused, not randomized (each
+parameter holds its old or its sent value), version not committed, resumed verified by the next sync. Every server
+sits behind a recording proxy that proves no request asked its checker to reset_tensors. The last test kills one of
+the module's servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import aiohttp
+import pytest
+from recording_proxy import recording_proxy
+from sender_host import ProcessSource, SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
+from sglang_server import sglang_server
+
+from miles_sync.engine.client import EngineClient
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.controller import SyncController, SyncError
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.weights.checksum import sglang_fused_tensor, sglang_parameter_names, sglang_tensor_hash
+from miles_sync.wire.protocol import (
+    GenerateRequest,
+    PauseMode,
+    SamplingParams,
+    Selector,
+    WeightsCheckerAction,
+    WeightsCheckerRequest,
+    WeightVersionSpan,
+)
+
+BUCKET_BYTES = 512 * 1024  # the 2.7 MB target travels in a handful of buckets
+TIMEOUTS = SessionTimeouts(control_s=30.0, sync_s=120.0)
+NO_DRAFT = SelectorInputs(
+    mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
+)
+PROMPT = GenerateRequest(input_ids=(3, 100, 7), sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0))
+PAUSED_PROBE_S = 3.0  # a paused server does not answer /generate; a serving one answers 6 tokens in milliseconds
+
+
+def settings(transport: str, **kwargs) -> SenderSettings:
+    return SenderSettings(transport=transport, bucket_bytes=BUCKET_BYTES, include_mtp=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(reference_checkpoints):
+    return load_checkpoint(reference_checkpoints / "target")
+
+
+@pytest.fixture(scope="module")
+def source(reference_checkpoints):
+    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
+    yield process_source
+    process_source.shutdown()
+
+
+@pytest.fixture(scope="module")
+def servers(reference_checkpoints, sglang_python, tmp_path_factory):
+    """Two real servers, each behind a recording proxy: (launcher, proxy) pairs."""
+    log_dir = tmp_path_factory.mktemp("sglang")
+    model = reference_checkpoints / "target"
+    with contextlib.ExitStack() as stack:
+        pairs = []
+        for _ in range(2):
+            launcher = stack.enter_context(sglang_server(model=model, python=sglang_python, log_dir=log_dir))
+            pairs.append((launcher, stack.enter_context(recording_proxy(launcher.url))))
+        yield pairs
+
+
+@pytest.fixture(autouse=True)
+def no_weights_are_reset(request):
+    yield
+    if "servers" not in request.fixturenames:
+        return
+    proxies = [proxy for _, proxy in request.getfixturevalue("servers")]
+    resets = [(p.upstream, r) for p in proxies for r in p.requests_with(action="reset_tensors")]
+    for proxy in proxies:
+        proxy.requests.clear()
+    assert not resets, f"reset_tensors was sent to a real server: {resets}"
+
+
+def controller(urls, source, *, transport: str = "distributed") -> SyncController:
+    return SyncController(
+        engine_urls=urls,
+        source=source,
+        transport=transport,
+        selector_inputs=NO_DRAFT,
+        pause_mode=PauseMode.ABORT,
+        verify=True,
+        timeouts=TIMEOUTS,
+        show_progress=False,
+    )
+
+
+async def engine_checksums(url: str) -> dict[str, str]:
+    async with EngineClient(url, timeout_s=30.0) as client:
+        result = await client.weights_checker(WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM))
+    return dict(result.ranks[0].checksums)
+
+
+async def generate(url: str, *, timeout_s: float = 60.0):
+    async with EngineClient(url, timeout_s=timeout_s) as client:
+        return await client.generate(PROMPT)
+
+
+async def is_paused(url: str) -> bool:
+    """SGLang reports no pause state: a paused server leaves /generate waiting until continue_generation."""
+    try:
+        async with aiohttp.ClientSession() as session:
+            timeout = aiohttp.ClientTimeout(total=PAUSED_PROBE_S)
+            async with session.post(
+                url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}}, timeout=timeout
+            ):
+                return False
+    except asyncio.TimeoutError:
+        return True
+
+
+def engine_digests(weights, *, num_layers: int) -> dict[str, str]:
+    """What a TP=1 CPU server's checker answers for these HF weights (the target's layers only): SGLang's fused
+    parameters (qkv_proj, gate_up_proj) hashed as loaded."""
+    names = exported_names(weights, num_hidden_layers=num_layers, include_mtp=False)
+    return {
+        engine: sglang_tensor_hash(sglang_fused_tensor(engine, [weights[n] for n in parts]))
+        for engine, parts in sglang_parameter_names(names).items()
+    }
+
+
+async def model_version(url: str) -> str:
+    async with EngineClient(url, timeout_s=30.0) as client:
+        return (await client.model_info()).weight_version
+
+
+@pytest.mark.parametrize("transport", ["distributed", "colocated"])
+def test_syncs_into_real_servers_are_verified_engine_exact(servers, source, checkpoint, transport):
+    urls = [proxy.url for _, proxy in servers]
+    tensors, num_layers = checkpoint
+    num_tensors = len(exported_names(tensors, num_hidden_layers=num_layers, include_mtp=False))
+
+    async def main():
+        await source.call("configure", settings(transport))
+        ctl = controller(urls, source, transport=transport)
+        await ctl.connect()
+        reports, answers = [], []
+        try:
+            for step in (1, 2):
+                await source.call("step", step)
+                reports.append(await ctl.sync())
+                answers.append([await generate(u) for u in urls])
+            versions = [await model_version(u) for u in urls]
+        finally:
+            await ctl.close()
+        return reports, answers, versions
+
+    reports, answers, versions = asyncio.run(main())
+    for report, responses in zip(reports, answers):
+        assert report.committed and report.error is None and report.selector is Selector.ALL
+        assert report.verification == "engine-exact", report
+        assert all(e.verification == "engine-exact" and e.num_verified_tensors == num_tensors for e in report.engines)
+        for response in responses:  # SGLang's meta_info, decoded: the version that produced every token
+            assert response.meta_info.weight_version == report.version
+            assert response.meta_info.weight_versions == (WeightVersionSpan(version=report.version, start=0, end=6),)
+    assert versions == [reports[-1].version] * 2
+
+
+@pytest.mark.parametrize(
+    ("faulty", "named"),
+    [
+        # The exporter dropped a tensor: each server still holds the old copy, which the prediction does not have.
+        (dict(skip_names=("model.norm.weight",)), "rank 0 target model.norm.weight extra"),
+        # The exporter sent a tensor the server does not serve: SGLang ignores it with 200 success, the sync fails.
+        (
+            dict(extra_names=("model.layers.0.mlp.unserved.weight",)),
+            "rank 0 target model.layers.0.mlp.unserved.weight missing",
+        ),
+    ],
+    ids=["dropped tensor", "unserved tensor"],
+)
+def test_a_failed_verification_holds_real_servers_with_their_weights_untouched(
+    servers, source, checkpoint, faulty, named
+):
+    """Bytes landed, then verification failed: each server stays paused and unrouted, its parameters the old or the
+    sent values (never randomized), the version uncommitted; the next full sync verifies and resumes it."""
+    urls = [proxy.url for _, proxy in servers]
+
+    async def main():
+        await source.call("configure", settings("distributed"))
+        ctl = controller(urls, source)
+        await ctl.connect()
+        try:
+            await source.call("step", 3)
+            await ctl.sync()  # the state before the failure: a verified version
+        finally:
+            await ctl.close()
+        before = [await engine_checksums(u) for u in urls]
+        await source.call("configure", settings("distributed", **faulty))
+        ctl = controller(urls, source)
+        await ctl.connect()
+        try:
+            previous = ctl.weight_version
+            await source.call("step", 4)
+            with pytest.raises(SyncError) as failed:
+                await ctl.sync()
+            after = [await engine_checksums(u) for u in urls]
+            paused = [await is_paused(u) for u in urls]
+            held, serving, committed = dict(ctl.held_engines), ctl.serving_engines, ctl.weight_version
+            await source.call("configure", settings("distributed"))
+            recovered = await ctl.sync()
+            resumed = [await generate(u, timeout_s=10.0) for u in urls]
+        finally:
+            await ctl.close()
+        return before, previous, failed.value.report, after, paused, held, serving, committed, recovered, resumed
+
+    before, previous, failure, after, paused, held, serving, committed, recovered, resumed = asyncio.run(main())
+    sent = engine_digests(weights_at_step(checkpoint[0], 4), num_layers=checkpoint[1])
+    assert not failure.committed and "verification failed" in failure.error
+    for url in urls:
+        assert f"{url} (engine-exact): " in failure.error and named in failure.error, failure.error
+    assert sorted(held) == sorted(urls) and serving == () and committed == previous
+    assert paused == [True, True]
+    # Not randomized: every parameter holds its value from before or, for the ones the failed sync sent, a new one;
+    # the untouched ones (the dropped tensor) still hold exactly the old bytes.
+    for old, new in zip(before, after):
+        assert set(new) == set(old)
+        if "skip_names" in faulty:
+            assert new["model.norm.weight"] == old["model.norm.weight"]
+            assert all(new[n] == sent[n] for n in new if n != "model.norm.weight")
+    assert recovered.committed and recovered.verification == "engine-exact"
+    assert [r.meta_info.weight_version for r in resumed] == [recovered.version] * 2
+
+
+def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_resumed(servers, source, checkpoint):
+    """Runs last: kills the module's first server while buckets are on the wire. The sync fails within its
+    timeouts without committing; the survivor, which received some of the buckets, stays paused with each parameter
+    at its old or its new value; a later sync over the survivor alone verifies and resumes it."""
+    (victim, victim_proxy), (_, survivor_proxy) = servers
+    urls = [victim_proxy.url, survivor_proxy.url]
+    survivor = survivor_proxy.url
+    tensors, num_layers = checkpoint
+    gate_unit = len(export_units(tensors, num_hidden_layers=num_layers, include_mtp=False)) - 2
+
+    async def main():
+        await source.call("configure", settings("distributed"))
+        ctl = controller(urls, source)
+        await ctl.connect()
+        try:
+            await source.call("step", 5)
+            await ctl.sync()
+        finally:
+            await ctl.close()
+        before = await engine_checksums(survivor)
+        await source.call("configure", settings("distributed"))
+        ctl = controller(urls, source)
+        await ctl.connect()
+        try:
+            previous = ctl.weight_version
+            await source.call("step", 6)
+            await source.call("gate", gate_unit)  # the sender stops before its last units: earlier buckets landed
+            sync = asyncio.create_task(ctl.sync())
+            assert await asyncio.to_thread(source.gate_reached.wait, 60.0), "the send never reached the gate"
+            victim.kill()
+            started = time.monotonic()
+            source.gate_release.set()
+            with pytest.raises(SyncError) as failed:
+                await asyncio.wait_for(sync, TIMEOUTS.sync_s + 30.0)
+            elapsed = time.monotonic() - started
+            held, committed = dict(ctl.held_engines), ctl.weight_version
+        finally:
+            await ctl.close()
+        after = await engine_checksums(survivor)
+        paused = await is_paused(survivor)
+        await source.call("configure", settings("distributed"))
+        ctl = controller([survivor], source)
+        await ctl.connect()
+        try:
+            await source.call("step", 7)
+            recovered = await ctl.sync()
+        finally:
+            await ctl.close()
+        served = await generate(survivor, timeout_s=10.0)
+        return before, previous, failed.value.report, elapsed, held, committed, after, paused, recovered, served
+
+    before, previous, failure, elapsed, held, committed, after, paused, recovered, served = asyncio.run(main())
+    assert not failure.committed and committed == previous
+    assert elapsed < TIMEOUTS.sync_s, f"the failed sync took {elapsed:.1f} s"
+    assert survivor in held and paused
+    assert set(after) == set(before) and after != before  # some buckets landed before the failure
+    sent = engine_digests(weights_at_step(tensors, 6), num_layers=num_layers)
+    mixed = {n for n in after if after[n] != before[n]}
+    assert all(after[n] == sent[n] for n in mixed), sorted(n for n in mixed if after[n] != sent[n])
+    assert recovered.committed and recovered.verification == "engine-exact"
+    assert served.meta_info.weight_version == recovered.version

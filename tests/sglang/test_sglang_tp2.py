@@ -1,0 +1,74 @@
+"""One real SGLang 0.5.23 CPU server with TP=2 (one core per rank): a sync is verified engine-exact per TP rank,
+each rank's answer predicted from the bytes sent (its vocab-parallel, column- and row-parallel shards), over the
+distributed and the colocated transport (one shared-memory handle per engine rank)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sender_host import ProcessSource, SenderSettings, exported_names, load_checkpoint
+from sglang_server import sglang_server
+
+from miles_sync.engine.client import EngineClient
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.controller import SyncController
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.wire.protocol import PauseMode, WeightsCheckerAction, WeightsCheckerRequest
+
+TIMEOUTS = SessionTimeouts(control_s=30.0, sync_s=120.0)
+NO_DRAFT = SelectorInputs(
+    mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
+)
+
+
+@pytest.fixture(scope="module")
+def server(reference_checkpoints, sglang_python, tmp_path_factory):
+    model = reference_checkpoints / "target"
+    with sglang_server(model=model, python=sglang_python, log_dir=tmp_path_factory.mktemp("tp2"), tp_size=2) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def source(reference_checkpoints):
+    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
+    yield process_source
+    process_source.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["distributed", "colocated"])
+def test_a_tp2_server_is_verified_engine_exact_per_rank(server, source, reference_checkpoints, transport):
+    tensors, num_layers = load_checkpoint(reference_checkpoints / "target")
+    num_tensors = len(exported_names(tensors, num_hidden_layers=num_layers, include_mtp=False))
+
+    async def main():
+        await source.call("configure", SenderSettings(transport=transport, bucket_bytes=512 * 1024, include_mtp=False))
+        ctl = SyncController(
+            engine_urls=[server.url],
+            source=source,
+            transport=transport,
+            selector_inputs=NO_DRAFT,
+            pause_mode=PauseMode.ABORT,
+            verify=True,
+            timeouts=TIMEOUTS,
+            show_progress=False,
+        )
+        await ctl.connect()
+        try:
+            await source.call("step", 1 if transport == "distributed" else 2)
+            report = await ctl.sync()
+        finally:
+            await ctl.close()
+        async with EngineClient(server.url, timeout_s=30.0) as client:
+            answer = await client.weights_checker(WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM))
+        return report, answer
+
+    report, answer = asyncio.run(main())
+    assert report.committed and report.verification == "engine-exact", report
+    (engine,) = report.engines
+    assert engine.verification == "engine-exact" and engine.num_verified_tensors == num_tensors
+    # Two ranks answered, each its own shard: the vocab-parallel embedding differs between them.
+    assert sorted(r.parallelism_info[0].tp_rank for r in answer.ranks) == [0, 1]
+    embed = "model.embed_tokens.weight"
+    assert answer.ranks[0].checksums[embed] != answer.ranks[1].checksums[embed]
