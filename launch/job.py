@@ -99,6 +99,8 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
         with connect_ray(config.cluster) as connection, _Fleet.start(config, log=log) as fleet:
             log(f"ray {'local cluster' if connection.is_local else 'cluster'} at {connection.address}")
             nodes = fleet.nodes
+            if config.engines.urls:
+                fleet.sync_starting_weights()
             version = fleet.weight_version()
             samples = fleet.rollouts(0)
             stats = fleet.rollout_stats(samples, version=version)
@@ -263,6 +265,18 @@ class _Fleet:
                 log=log,
                 nodes=nodes,
             )
+
+    def sync_starting_weights(self) -> None:
+        """Servers given by URL may serve anything (measured: servers reused from an earlier run served its last
+        weights, 8.6 nats of log-prob away from the checkpoint, at round 0): one verified sync of the trainer's
+        starting weights before round 0, so the baseline is measured on them. A check without a send would need
+        a verify-only session; the sync costs about as much and its verification proves the same. Raises when it
+        does not commit or is not verified against the trainer's bytes."""
+        report = self._sync_with_progress()
+        record = round_record(0, report, loss=0.0, trainer_step=0, rollouts=None)
+        if not report.committed or not record.verified:
+            raise RuntimeError(f"syncing the starting weights into {list(self._urls)} failed: {report.summary()}")
+        self._log(f"engines synced to the trainer's starting weights: version {report.version} ({report.verification})")
 
     def weight_version(self) -> str:
         return ray.get(self._controller.status.remote(), timeout=self._config.sync.http_timeout_s).weight_version

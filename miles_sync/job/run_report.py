@@ -215,6 +215,24 @@ def table_header() -> str:
     )
 
 
+# Why a committed sync is not verified against the trainer's bytes, by the check that ran (sync.verify).
+_UNVERIFIED_REASONS = {
+    "replica": "replicas agree",  # the engines hold the same bytes; nothing says they are the trainer's
+    "unverified": "no (one replica)",  # a replica check with no other engine of its layout
+    "off": "no (verify off)",
+}
+
+
+def _verified_cell(row: RoundRecord) -> str:
+    """The run table's `verified` column: "yes (<check>)" when every engine matched the trainer's bytes, the
+    reason when a committed sync was not checked against them, "FAILED" when it did not commit."""
+    if not row.committed:
+        return "FAILED"
+    if row.verified:
+        return f"yes ({row.verification})"
+    return _UNVERIFIED_REASONS.get(row.verification, f"no ({row.verification or 'not checked'})")
+
+
 def format_row(row: RoundRecord | BaselineRecord) -> str:
     accept = "-" if row.accept_length is None else f"{row.accept_length:.3f}"
     diff = "-" if row.logprob_diff_max is None else f"{row.logprob_diff_max:.1e}"
@@ -228,8 +246,7 @@ def format_row(row: RoundRecord | BaselineRecord) -> str:
             f"{row.round:>5} {row.version:>7} {'-':>7} {'-':>6} {'-':>7} {'not synced':>18} {accept:>6} "
             f"{row.reward:>6.3f} {diff:>8} {row.loss:>8.4f}"
         )
-    verified = "yes" if row.verified else ("no" if row.committed else "FAILED")
-    verified = f"{verified} ({row.verification})" if row.verification and row.committed else verified
+    verified = _verified_cell(row)
     return (
         f"{row.round:>5} {row.version:>7} {row.sync_s:>7.3f} {row.gbps:>6.3f} {row.pause_s:>7.3f} {verified:>18} "
         f"{accept:>6} {row.reward:>6.3f} {diff:>8} {row.loss:>8.4f}"

@@ -3,6 +3,7 @@ per-round report rows (reward, log-prob agreement) with report.json and report.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -105,3 +106,29 @@ def test_report_rows_carry_reward_and_logprob_agreement(tmp_path):
     assert read_reward_curve(tmp_path / "report.json") == [(0, 0.25), (1, 0.25), (2, 0.25)]
     write_png(tmp_path / "report.png", baseline=baseline, rounds=rows, title="t", control=[(0, 0.2), (1, 0.3)])
     assert (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("committed", "verified", "verification", "cell"),
+    [
+        (True, True, "engine-exact", "yes (engine-exact)"),
+        (True, False, "replica", "replicas agree"),
+        (True, False, "unverified", "no (one replica)"),
+        (True, False, "off", "no (verify off)"),
+        (True, False, "engine-exact+replica", "no (engine-exact+replica)"),
+        (False, False, "", "FAILED"),
+    ],
+)
+def test_the_verified_column_says_why_a_committed_sync_is_not_verified(committed, verified, verification, cell):
+    row = unsynced_round_record(1, version="0", loss=0.1, trainer_step=1, rollouts=stats(0.25, 0.5))
+    row = dataclasses.replace(
+        row,
+        synced=True,
+        committed=committed,
+        verified=verified,
+        verification=verification,
+        sync_s=0.1,
+        gbps=0.5,
+        pause_s=0.01,
+    )
+    assert f" {cell} " in format_row(row)
