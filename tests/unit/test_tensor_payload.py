@@ -304,3 +304,33 @@ def test_both_paths_refuse_dtypes_outside_the_table(dtype):
     # A forged payload cannot even name the dtype: it is not an allow-listed global.
     with pytest.raises(PayloadError, match=f"torch.{str(dtype).removeprefix('torch.')}, which is outside"):
         decode_payload(_flattened(buffer, metadata), load_format="flattened_bucket")
+
+
+@pytest.mark.parametrize("strategy", sorted(torch.multiprocessing.get_all_sharing_strategies()))
+def test_the_encoder_never_emits_file_descriptor_handles_whatever_the_process_strategy(strategy):
+    """A handle pickled with torch's `file_descriptor` strategy kills a real SGLang server (its scheduler cannot
+    receive the fd over HTTP: AuthenticationError). The encoder pickles shared-memory file names under every
+    process-wide strategy, the default `file_descriptor` included."""
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(strategy)
+    try:
+        tensor = _make((8, 4), torch.float32, 3)
+        buffer = tensor.reshape(-1).view(torch.uint8)
+        metadata = [
+            FlattenedTensorMetadata(name="w", shape=(8, 4), dtype=torch.float32, start_idx=0, end_idx=128, numel=128)
+        ]
+        payloads = [
+            tp.encode_named_tensors([("w", tensor)]),
+            tp.encode_named_tensor_dict([("w", tensor)]),
+            tp.encode_flattened_bucket(buffer=buffer, metadata=metadata),
+        ]
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+    for payload in payloads:
+        globals_named = {
+            str(arg)
+            for op, arg, _ in pickletools.genops(base64.b64decode(payload))
+            if op.name in ("GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE", "BINUNICODE", "UNICODE")
+        }
+        assert "rebuild_storage_filename" in globals_named
+        assert not any("rebuild_storage_fd" in name or "DupFd" in name for name in globals_named), globals_named
