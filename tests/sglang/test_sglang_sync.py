@@ -20,6 +20,7 @@ import pytest
 from recording_proxy import recording_proxy
 from sender_host import ProcessSource, SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
 from sglang_server import sglang_server
+from silent_member import silent_member
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
@@ -235,6 +236,52 @@ def test_a_failed_verification_holds_real_servers_with_their_weights_untouched(
             assert all(new[n] == sent[n] for n in new if n != "model.norm.weight")
     assert recovered.committed and recovered.verification == "engine-exact"
     assert [r.meta_info.weight_version for r in resumed] == [recovered.version] * 2
+
+
+def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, source):
+    """A member takes the init call but never joins: the sync fails while opening the group, before any pause;
+    the real servers, which joined a rendezvous that could not complete, are released when the trainer side gives
+    up, keep serving the committed version, and the next sync over them alone verifies."""
+    urls = [proxy.url for _, proxy in servers]
+
+    async def main():
+        await source.call("configure", settings("distributed"))
+        ctl = controller(urls, source)
+        await ctl.connect()
+        try:
+            await source.call("step", 5)
+            committed = await ctl.sync()
+        finally:
+            await ctl.close()
+        with silent_member(weight_version=committed.version) as member:
+            await source.call("configure", settings("distributed"))
+            ctl = controller([*urls, member.url], source)
+            await ctl.connect()
+            started = time.monotonic()
+            try:
+                with pytest.raises(SyncError) as failed:
+                    await ctl.sync()
+            finally:
+                await ctl.close()
+            elapsed = time.monotonic() - started
+            init_requests = list(member.init_requests)
+        served = [await generate(u, timeout_s=30.0) for u in urls]
+        await source.call("configure", settings("distributed"))
+        ctl = controller(urls, source)
+        await ctl.connect()
+        try:
+            await source.call("step", 6)
+            recovered = await ctl.sync()
+        finally:
+            await ctl.close()
+        return committed, failed.value.report, elapsed, init_requests, served, recovered
+
+    committed, failure, elapsed, init_requests, served, recovered = asyncio.run(main())
+    assert "did not rendezvous" in failure.error and failure.phases.pause_s == 0.0, failure.error
+    assert elapsed < TIMEOUTS.sync_s, f"the failed sync took {elapsed:.1f} s"
+    assert [(r["rank_offset"], r["world_size"]) for r in init_requests] == [(3, 4)]
+    assert [r.meta_info.weight_version for r in served] == [committed.version] * 2
+    assert recovered.committed and recovered.verification == "engine-exact"
 
 
 def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_resumed(servers, source, checkpoint):
