@@ -76,12 +76,6 @@ CASES = {
         lambda env: _tensor_body(encode_named_tensors([_q(env)]), selector="all"),
         "payload selector 'all' differs from the open session's selector 'target'",
     ),
-    "unknown-name": (
-        True,
-        "/update_weights_from_tensor",
-        lambda env: _tensor_body(encode_named_tensors([("model.layers.0.mlp.nope.weight", torch.zeros(3))])),
-        "unknown parameter name 'model.layers.0.mlp.nope.weight'",
-    ),
     "draft-name-under-target": (
         True,
         "/update_weights_from_tensor",
@@ -331,14 +325,15 @@ def test_a_failure_after_bytes_landed_keeps_serving_the_mixed_weights(env):
     halved = [(n, (t * 0.5).to(t.dtype)) for n, t in weights[:4]]
     server.ok("/begin_weight_update", {"selector": "target"})
     server.ok("/update_weights_from_tensor", _tensor_body(encode_named_tensors(halved)))
-    bad = _tensor_body(encode_named_tensors([("nope", torch.zeros(1))]))
+    misshapen = weights[4][0]
+    bad = _tensor_body(encode_named_tensors([(misshapen, torch.zeros(1))]))
     status, _ = server.post("/update_weights_from_tensor", bad)
     assert status == 400
     status, answer = generate(server, [3, 32])
     assert status == 200, answer
     assert server.get("/health_generate", timeout_s=TIMEOUT_S) == (200, "ok")
     assert server.post("/end_weight_update")[0] == 400
-    assert "nope" in _last_failure(server)
+    assert misshapen in _last_failure(server)
     mixed = checksums(server)
     assert {n for n in mixed if mixed[n] != env["baseline"][n]} == {n for n, _ in halved}
     assert generate(server, [3, 32])[0] == 200

@@ -7,10 +7,11 @@ success and raise ValueError with a message naming the problem on a request the 
 Session rules:
 - begin opens a session for one selector; a second begin fails; updates outside a session fail; a payload whose
   selector differs from the session's fails.
-- A request is validated whole before any byte is written: unknown names, names the selector does not cover,
-  names two selected runners both own, shape and dtype mismatches. On the distributed path a request whose
-  metadata describes the bytes (valid dtypes, no negative dims, aligned offsets) still receives them before it is
-  refused, so the update group stays in step with the sender.
+- A request is validated whole before any byte is written: names the selector does not cover, names two
+  selected runners both own, shape and dtype mismatches. A name no runner has is ignored (200), as SGLang
+  ignores it: a sync that sends one fails its verification, which names the tensor, not the engine. On the
+  distributed path a request whose metadata describes the bytes (valid dtypes, no negative dims, aligned offsets)
+  still receives them before it is refused, so the update group stays in step with the sender.
 - end closes the session, always. Policy `sglang` finalizes every runner the selector covers, as SGLang does
   (a selected runner that received nothing has its already-transformed weights transformed again). Policy `strict`
   finalizes only the names loaded in the session and fails naming every selected runner that loaded nothing.
@@ -222,7 +223,7 @@ class ReferenceEngine:
             self._session = None
             try:
                 problems = list(session.failures) + self._finalize(session)
-                finalized_any = session.has_loaded() or self._policy is FinalizePolicy.SGLANG
+                finalized_any = session.has_loaded() or self._policy is not FinalizePolicy.STRICT
             except Exception as exc:  # an engine fault mid-finalize: layouts may now be mixed
                 self._record_failure(f"finalize failed: {exc}")
                 raise
@@ -243,7 +244,7 @@ class ReferenceEngine:
         """Post-process the session's runners per policy; returns the problems (strict: runners that loaded nothing)."""
         problems = []
         for runner in session.runners:
-            if self._policy is FinalizePolicy.SGLANG:
+            if self._policy is not FinalizePolicy.STRICT:
                 runner.finalize_all()
                 continue
             loaded = runner.loaded_in_session()
@@ -271,7 +272,8 @@ class ReferenceEngine:
         return problems
 
     def _select(self, selector: Selector) -> tuple[Runner, ...]:
-        roles = selector_roles(selector)
+        # A server without selector support puts every runner in every session, whatever the request says.
+        roles = selector_roles(Selector.ALL if self._policy is FinalizePolicy.NO_SELECTOR else selector)
         runners = tuple(
             self._runners[role] for role in (Role.TARGET, Role.DRAFT) if role in roles and role in self._runners
         )
@@ -354,7 +356,7 @@ class ReferenceEngine:
             owners = [role for role, runner in self._runners.items() if meta.name in runner.owned_names()]
             covered = [role for role in owners if role in selected]
             if not owners:
-                problems.append(f"unknown parameter name {meta.name!r}: no runner of this engine has it")
+                logger.warning("ignoring tensor %r: no runner of this engine has it (as SGLang ignores it)", meta.name)
             elif not covered:
                 problems.append(
                     f"tensor {meta.name!r} belongs to the {owners[0].value} runner, which selector "

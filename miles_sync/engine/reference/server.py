@@ -100,16 +100,27 @@ def decide_auth(
 
 
 # SGLang sets these meta_info keys only for a return_logprob request (srt/managers/tokenizer_manager.py:2520-2530,
-# 2868-2870): otherwise they are absent, not null.
-_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length")
+# 2868-2870), and the spec_* keys only with speculative decoding: otherwise they are absent, not null.
+_OPTIONAL_META_KEYS = (
+    "input_token_logprobs",
+    "output_token_logprobs",
+    "output_token_logprobs_length",
+    "spec_verify_ct",
+    "spec_accept_rate",
+    "spec_accept_length",
+)
 
 
 def _generate_body(response: GenerateResponse) -> dict:
+    """SGLang 0.5.23's /generate answer (tests/sglang/test_conformance.py compares the shapes): optional meta_info
+    keys and finish_reason keys of another kind are absent, not null."""
     body = encode(response)
     meta = body["meta_info"]
-    for key in _LOGPROB_KEYS:
+    for key in _OPTIONAL_META_KEYS:
         if meta[key] is None:
             del meta[key]
+    if meta["finish_reason"] is not None:
+        meta["finish_reason"] = {k: v for k, v in meta["finish_reason"].items() if v is not None}
     return body
 
 
@@ -233,14 +244,34 @@ def create_app(
 
     async def model_info(request: web.Request) -> web.Response:
         del request
-        return _json(encode(engine.model_info()))
+        info = encode(engine.model_info())
+        # SGLang's other keys, with the values a plain text-generation server answers.
+        return _json(
+            {
+                **info,
+                "served_model_name": info["model_path"],
+                "preferred_sampling_params": None,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
 
     async def draft_report(request: web.Request) -> web.Response:
         del request
         return _json(encode(engine.draft_report()))
 
+    # SGLang's top-level weight_version is the launch value; /model_info and generation carry the current one.
+    launch_weight_version = engine.weight_version
+
     async def server_info(request: web.Request) -> web.Response:
         del request
+        state = engine.load_state()
+        if settings.draft_kind == "none":  # SGLang reports the accept length only when it decodes speculatively
+            del state["avg_spec_accept_length"]
         return _json(
             {
                 "model_path": settings.model_path,
@@ -256,9 +287,10 @@ def create_app(
                 "finalize_policy": engine.finalize_policy.value,
                 CHECKSUM_NAMES_KEY: engine.checksum_names.value,
                 "version": f"miles_sync-reference-{__version__}",
+                "weight_version": launch_weight_version,
                 "internal_states": [
                     {
-                        **engine.load_state(),
+                        **state,
                         "weight_version": engine.weight_version,
                         "is_paused": engine.is_paused,
                     }
