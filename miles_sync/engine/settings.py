@@ -15,10 +15,14 @@ class FinalizePolicy(WireEnum):
     """What the reference engine's `end_weight_update` post-processes (miles_sync.engine.reference.engine).
 
     strict: finalize exactly the runners that received bytes, and fail a selected runner that got none.
-    sglang: finalize every selected runner, as SGLang does (reproduces the double-transform bug)."""
+    sglang: finalize every selected runner, as SGLang does (reproduces the double-transform bug).
+    no_selector: a server without selector support (an older SGLang, a fork): it accepts the selector field and
+    ignores it, so every runner is in every session and is finalized at its end, as with `sglang` and selector
+    `all`. The draft guard (miles_sync.sync.draft_guard) exists to catch this server."""
 
     STRICT = "strict"
     SGLANG = "sglang"
+    NO_SELECTOR = "no_selector"
 
 
 @dataclass(frozen=True, kw_only=True)

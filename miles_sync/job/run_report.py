@@ -92,6 +92,7 @@ class RoundRecord:
     logprob_diff_max: float | None  # max |trainer - engine| log-prob over this round's sampled tokens
     logprob_diff_mean: float | None
     samples_tagged: bool  # every rollout sample carries `version`
+    draft_guard: str = ""  # "draft unchanged": the session left the draft out and its digests held (draft guard)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +129,7 @@ def round_record(
         committed=report.committed,
         verified=verified,
         verification=report.verification,
+        draft_guard=report.draft_guard,
         error=report.error,
         selector=None if report.selector is None else report.selector.value,
         sync_s=report.total_s,
@@ -229,7 +231,7 @@ def _verified_cell(row: RoundRecord) -> str:
     if not row.committed:
         return "FAILED"
     if row.verified:
-        return f"yes ({row.verification})"
+        return f"yes ({row.verification}{', ' + row.draft_guard if row.draft_guard else ''})"
     return _UNVERIFIED_REASONS.get(row.verification, f"no ({row.verification or 'not checked'})")
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
+from miles_sync.sync.draft_guard import DraftDigests, baselines_after, draft_digests
 from miles_sync.sync.lease import LeaseLostError, SyncLease
 from miles_sync.sync.lora import AdapterPayload, adapter_name, run_lora_sync_session
 from miles_sync.sync.pipeline import stage_group_names
@@ -38,7 +39,14 @@ from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeo
 from miles_sync.sync.weight_source import WeightSource
 from miles_sync.transport.base import EngineEndpoint, GroupMembership, plan_membership, transport_spec
 from miles_sync.weights.fp8 import Fp8Block
-from miles_sync.wire.protocol import DEFAULT_GROUP_NAME, DestroyWeightsUpdateGroupRequest, PauseMode
+from miles_sync.wire.protocol import (
+    DEFAULT_GROUP_NAME,
+    DestroyWeightsUpdateGroupRequest,
+    PauseMode,
+    Selector,
+    WeightsCheckerAction,
+    WeightsCheckerRequest,
+)
 
 __all__ = ["ControllerStatus", "GroupSettings", "SyncController", "SyncError"]
 
@@ -150,6 +158,9 @@ class SyncController:
         # Each engine's checksum answer when the last sync verified on it: after a failed send, an engine that still
         # answers it received nothing that changed its weights, and may serve again.
         self._baselines: dict[str, EngineBaseline] = {}
+        # Each engine's draft digests (miles_sync.sync.draft_guard), read at connect and after every verified sync:
+        # a session that leaves the draft out fails on an engine whose draft no longer answers them.
+        self._draft_baselines: dict[str, DraftDigests] = {}
         self._version = 0  # last committed
         self._last_attempt = 0  # versions are never reused, not even those of failed syncs
         self._weight_version = ""
@@ -247,6 +258,8 @@ class SyncController:
         check_engines = getattr(self._source, "check_engines", None)
         if callable(check_engines):  # e.g. a colocated engine without a trainer rank on its node: refused now
             check_engines([EngineEndpoint(url=u, tp_size=self._tp_sizes[u]) for u in self._urls])
+        if self._verify:
+            await self._read_draft_baselines(self._urls)
         infos = await asyncio.gather(*(self._clients[u].model_info() for u in self._urls))
         versions = {u: info.weight_version for u, info in zip(self._urls, infos)}
         common = max(set(versions.values()), key=list(versions.values()).count)
@@ -256,6 +269,20 @@ class SyncController:
         numeric = [int(v) for v in versions.values() if v.isdecimal()]
         self._version = self._last_attempt = max(numeric, default=0)
         return self._trainer_ranks
+
+    async def _read_draft_baselines(self, urls: Sequence[str]) -> None:
+        """The draft digests `urls` serve now, as their guard baselines (one checker call each with selector all;
+        an engine without a draft answers none and is not guarded). A restarted engine loaded its frozen draft from
+        the checkpoint, so what it serves at connect is the draft to keep."""
+        request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.ALL)
+        answers = await asyncio.gather(
+            *(self._clients[u].weights_checker(request, timeout_s=self._timeouts.control_s) for u in urls)
+        )
+        for url in urls:
+            self._draft_baselines.pop(url, None)
+        self._draft_baselines = baselines_after(
+            self._draft_baselines, {u: draft_digests(a.ranks) for u, a in zip(urls, answers)}
+        )
 
     async def _connect_engine(self, url: str) -> None:
         client = EngineClient(
@@ -285,8 +312,11 @@ class SyncController:
             self._stale.discard(old_url)
             self._held.pop(old_url, None)
             self._baselines.pop(old_url, None)
+            self._draft_baselines.pop(old_url, None)
             self._tp_sizes.pop(old_url, None)
             await self._connect_engine(new_url)
+            if self._verify:
+                await self._read_draft_baselines([new_url])
             self._stale.add(new_url)
             await self._close_group()
 
@@ -336,6 +366,7 @@ class SyncController:
                         held=tuple(self._held),
                         mechanism_check=mechanism_check,
                         quantization=self._quantization,
+                        draft_baselines=self._draft_baselines,
                     )
                 finally:
                     bar.close()
@@ -464,6 +495,8 @@ class SyncController:
             elif engine.success:
                 self._stale.discard(engine.url)
                 self._held.pop(engine.url, None)
+            if engine.success and engine.draft_digests is not None:
+                self._draft_baselines[engine.url] = engine.draft_digests
             if engine.weights_digest is not None and report.selector is not None:
                 self._baselines[engine.url] = EngineBaseline(selector=report.selector, digest=engine.weights_digest)
             elif engine.is_stale:

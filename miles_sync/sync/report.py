@@ -70,6 +70,11 @@ class EngineResult:
     message: str = ""
     verification: str = ""
     weights_digest: str | None = None
+    # Its draft's digests per TP rank ({reported name: digest}) as the verification read them, None without a draft
+    # answer or a verified session: the controller's draft-guard baseline (miles_sync.sync.draft_guard).
+    draft_digests: tuple[dict[str, str], ...] | None = None
+    # "draft unchanged" when the session left the draft out and its digests all stayed as they were (draft guard).
+    draft_guard: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +105,13 @@ class SyncReport:
     def gb_per_s(self) -> float:
         """Payload bytes over send wall time (10^9 bytes per second); 0 when nothing was sent."""
         return self.num_bytes / self.phases.send_s / 1e9 if self.phases.send_s > 0 else 0.0
+
+    @property
+    def draft_guard(self) -> str:
+        """ "draft unchanged" when the draft guard ran on every engine and passed (miles_sync.sync.draft_guard), else
+        "" (no engine has a draft, the session selected the draft, or verification was off or failed)."""
+        values = {e.draft_guard for e in self.engines}
+        return values.pop() if len(values) == 1 else ""
 
     @property
     def stale_engines(self) -> tuple[str, ...]:

@@ -47,11 +47,19 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, 
 from dataclasses import dataclass, field
 
 from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.draft_guard import (
+    DRAFT_UNCHANGED,
+    DraftDigests,
+    draft_changes,
+    draft_digests,
+    guards_draft,
+    summarize_changes,
+)
 from miles_sync.sync.engine_digests import FleetLayouts, plan_engine_digests, read_model_config
 from miles_sync.sync.quantization import check_fleet_quantization
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
-from miles_sync.sync.verify import fleet_verdicts, weights_digest
+from miles_sync.sync.verify import DRAFT_GUARD, Verdict, fleet_verdicts, weights_digest
 from miles_sync.sync.weight_source import SendResult, WeightSource, send_with_digests, stage_with_digests
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
@@ -124,13 +132,16 @@ async def run_sync_session(
     staged: bool = False,
     mechanism_check: bool = False,
     quantization: Fp8Block | None = None,
+    draft_baselines: Mapping[str, DraftDigests] | None = None,
 ) -> SyncReport:
     """Run one session: see the module docstring. `quantization`: what the source sends (block FP8 or None), checked
     against each engine's before the pause. `baselines`: per engine URL, what the last verified sync left
     (absent: the engine is treated as partial after any failed send). `held`: URLs of engines kept paused since an
     earlier failure; they are resumed only by a session that completes on them. `mechanism_check`: snapshot, reset,
     sync, compare (module docstring); only when the source sends exactly the weights every engine holds, else the
-    compare fails and every engine stays paused. Mutates the engines' weights and version; never raises for a
+    compare fails and every engine stays paused. `draft_baselines`: per engine URL, its draft digests before the
+    session (miles_sync.sync.draft_guard); a session that leaves the draft out fails on an engine whose draft
+    changed. Mutates the engines' weights and version; never raises for a
     failed sync (it is in the report), only for programming errors."""
     last_step = "verify" if verify else _COMPARE_STEP if mechanism_check else "version"
     fleet = _FleetSteps(engines, timeout_s=timeouts.control_s, last_step=last_step, held=held)
@@ -152,6 +163,7 @@ async def run_sync_session(
                 run=run,
                 on_bucket=on_bucket,
                 quantization=quantization,
+                draft_baselines=draft_baselines,
             ),
             timeout=timeouts.sync_s,
         )
@@ -190,7 +202,9 @@ async def _sync(
     run: _Run,
     on_bucket: Callable[[BucketProgress], None] | None,
     quantization: Fp8Block | None = None,
+    draft_baselines: Mapping[str, DraftDigests] | None = None,
 ) -> None:
+    draft_baselines = {} if draft_baselines is None else draft_baselines
     run.selector = selector = await choose_selector(fleet.engines, source=source, inputs=inputs)
     await check_quantization(fleet.engines, source=source, quantization=quantization)
     t = fleet.timeout_s
@@ -216,7 +230,9 @@ async def _sync(
         if mechanism_check:
             await _compare_to_snapshot(fleet, selector=selector)
         if verify:
-            await _verify_fleet(fleet, sent=run.sent, selector=selector, layouts=layouts)
+            await _verify_fleet(
+                fleet, sent=run.sent, selector=selector, layouts=layouts, draft_baselines=draft_baselines
+            )
     fleet.is_complete = True
 
 
@@ -280,11 +296,26 @@ async def _compare_to_snapshot(fleet: _FleetSteps, *, selector: Selector) -> Non
     await fleet.step(_COMPARE_STEP, lambda e: e.weights_checker(compare, timeout_s=fleet.timeout_s))
 
 
-async def _verify_fleet(fleet: _FleetSteps, *, sent: SendResult, selector: Selector, layouts: FleetLayouts) -> None:
-    """Each engine passes the strongest check its checksum answer allows (miles_sync.sync.verify.fleet_verdicts);
-    raises SessionError naming the engine and tensors (engine-exact: rank, role and parameter) of every failure."""
+async def _verify_fleet(
+    fleet: _FleetSteps,
+    *,
+    sent: SendResult,
+    selector: Selector,
+    layouts: FleetLayouts,
+    draft_baselines: Mapping[str, DraftDigests],
+) -> None:
+    """Each engine passes the strongest check its checksum answer allows (miles_sync.sync.verify.fleet_verdicts)
+    and, when the session left its draft out, the draft guard (miles_sync.sync.draft_guard): its draft digests
+    must equal `draft_baselines`. Raises SessionError naming the engine and tensors (engine-exact: rank, role and
+    parameter) of every failure."""
+    guarded = {url for url in draft_baselines if guards_draft(selector)}
     request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
-    results = await fleet.step("verify-checksum", lambda e: e.weights_checker(request, timeout_s=fleet.timeout_s))
+    # The guard reads the draft in the same checker call: selector all for the engines whose draft it guards.
+    with_draft = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.ALL)
+    results = await fleet.step(
+        "verify-checksum",
+        lambda e: e.weights_checker(with_draft if e.url in guarded else request, timeout_s=fleet.timeout_s),
+    )
     answers = {e.url: r.ranks for e, r in zip(fleet.engines, results)}
     predicted = {
         url: sent.engine_checksums[layout] for url, layout in layouts.by_url.items() if layout in sent.engine_checksums
@@ -302,9 +333,15 @@ async def _verify_fleet(fleet: _FleetSteps, *, sent: SendResult, selector: Selec
     for engine in fleet.engines:
         verdict, state = verdicts[engine.url], fleet.state[engine.url]
         state.num_verified = verdict.num_verified
+        state.draft = draft_digests(answers[engine.url])
+        if verdict.passed and engine.url in guarded:
+            changes = draft_changes(baseline=draft_baselines[engine.url], current=state.draft, selector=selector)
+            if changes:
+                verdict = Verdict(passed=False, method=DRAFT_GUARD, message=summarize_changes(changes))
         if verdict.passed:
             state.done.add("verify")
             state.verification = verdict.method
+            state.draft_guard = DRAFT_UNCHANGED if engine.url in guarded else ""
             state.digest = weights_digest(answers[engine.url], selector=selector)
         else:
             fleet.fail(engine.url, "verify", verdict.message)
@@ -367,6 +404,8 @@ class _EngineState:
     num_verified: int = 0
     verification: str = ""  # the check that passed on it
     digest: str | None = None  # its verified checksum answer, as one digest
+    draft: tuple[dict[str, str], ...] | None = None  # its draft digests as the verification read them
+    draft_guard: str = ""  # DRAFT_UNCHANGED when the draft guard ran on it and passed
     is_intact: bool = False  # checked after a failed send: still answers its baseline checksums
 
 
@@ -496,6 +535,8 @@ def _report(
             message=_engine_message(fleet, url),
             verification=_verification(is_mechanism_checked=_COMPARE_STEP in state.done, method=state.verification),
             weights_digest=state.digest,
+            draft_digests=state.draft if "verify" in state.done else None,
+            draft_guard=state.draft_guard,
         )
         for url, state in fleet.state.items()
     )

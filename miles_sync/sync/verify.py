@@ -15,7 +15,8 @@ Each engine passes the strongest check its answer allows (`fleet_verdicts`); `Ve
   trainer's: a payload corrupted identically for every engine passes.
 - "unverified": a replica group of one; nothing to compare with.
 
-Only the roles the session's selector covers are compared: a frozen draft's digests are never read.
+Only the roles the session's selector covers are compared here. A frozen draft left out of the session is checked
+by the draft guard (miles_sync.sync.draft_guard): its digests must not change at all.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_rol
 from miles_sync.wire.text import shorten
 
 __all__ = [
+    "DRAFT_GUARD",
     "ENGINE_EXACT",
     "EXACT",
     "REPLICA",
@@ -49,6 +51,7 @@ EXACT = "exact"
 ENGINE_EXACT = "engine-exact"
 REPLICA = "replica"
 UNVERIFIED = "unverified"
+DRAFT_GUARD = "draft guard"  # a frozen draft's digests changed in a session that left it out (draft_guard)
 _NUM_NAMES_SHOWN = 4
 _NUM_PROBLEMS_SHOWN = 6
 _CPU_DIGEST = re.compile(r"[0-9a-f]{16}")  # SGLang's CPU tensor_hash as its checker prints it

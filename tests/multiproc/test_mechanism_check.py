@@ -157,8 +157,10 @@ def test_first_sync_of_unchanged_weights_proves_the_mechanism_and_commits(refere
     assert [e.verification for e in first.engines] == ["mechanism+exact", "mechanism+engine-exact"]
     assert all(e.success and not e.is_stale for e in first.engines)
     for sequence in calls:
-        # After the flush and before begin: snapshot, reset; after the version: compare, then the checksums.
+        # At connect, the draft guard's baseline read; after the flush and before begin: snapshot, reset; after the
+        # version: compare, then the checksums.
         expected = [
+            "checker:checksum",
             "/pause_generation",
             "/flush_cache",
             "checker:snapshot",

@@ -252,7 +252,12 @@ def test_the_demo_group_overrides_the_defaults():
     assert not demo.sync.check_selector and not demo.sync.verify
     assert demo.run_name == "frozen_draft_bug" and demo.num_rounds == 3
     assert load_config(overrides=["demo=none"]) == load_config()
-    with pytest.raises(ValueError, match=r"demo=nope \(choices: \['frozen_draft_bug', 'none'\]\) not found"):
+    ignored = load_config(overrides=["demo=selector_ignored"])
+    assert ignored.engines.finalize_policy is FinalizePolicy.NO_SELECTOR and ignored.sync.verify
+    assert ignored.sync.selector is SelectorMode.AUTO and ignored.sync.check_selector
+    with pytest.raises(
+        ValueError, match=r"demo=nope \(choices: \['frozen_draft_bug', 'none', 'selector_ignored'\]\) not found"
+    ):
         load_config(overrides=["demo=nope"])
 
 

@@ -310,7 +310,7 @@ ENUMS = {
     transport.TransportKind: ["distributed", "colocated"],
     kinds.EngineKind: ["reference", "sglang"],
     layout.WeightLayout: ["none", "aiter"],
-    settings.FinalizePolicy: ["strict", "sglang"],
+    settings.FinalizePolicy: ["strict", "sglang", "no_selector"],
     config.SyncMode: ["full", "lora"],
 }
 

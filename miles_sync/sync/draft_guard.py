@@ -1,0 +1,86 @@
+"""The frozen-draft guard: a session that leaves the draft out must leave its bytes exactly as they were.
+
+miles_sync keeps a frozen draft out of every session with selector `target`, and the reference engine refuses a
+selected runner that received nothing. On a server that ignores the selector (an older SGLang, a fork, a custom
+scheduler) the draft is still in the session and its non-idempotent post-processing runs again: the bytes change,
+the accept length collapses, nothing errors. So the controller keeps each engine's draft digests per TP rank and
+role (`draft`, `draft_step_<i>`, as its checker names them), read at connect and after every verified sync, and
+after every session whose selector excludes the draft compares the checker's draft answer with them, parameter by
+parameter (`draft_changes`). Pure functions over checker answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_role, role_kind, selector_roles
+
+__all__ = [
+    "DRAFT_UNCHANGED",
+    "DraftDigests",
+    "baselines_after",
+    "draft_changes",
+    "draft_digests",
+    "guards_draft",
+    "summarize_changes",
+]
+
+# Per engine TP rank (tp_rank order), the draft roles' entries of the checker's answer: {reported name: digest}.
+DraftDigests = tuple[dict[str, str], ...]
+_NUM_CHANGES_SHOWN = 4
+DRAFT_UNCHANGED = "draft unchanged"  # what a report says of an engine whose guarded draft kept every digest
+
+
+def guards_draft(selector: Selector) -> bool:
+    """Whether a session with `selector` must leave the draft unchanged (it does not select the draft)."""
+    return Role.DRAFT not in selector_roles(selector)
+
+
+def draft_digests(ranks: Sequence[RankChecksums]) -> DraftDigests | None:
+    """The draft entries of a checker answer per TP rank, None when the answer has none (no draft runner)."""
+    numbers = [r.parallelism_info[0].tp_rank if r.parallelism_info else i for i, r in enumerate(ranks)]
+    ordered = [rank for _, rank in sorted(zip(numbers, ranks), key=lambda pair: pair[0])]
+    per_rank = tuple(
+        {key: digest for key, digest in rank.checksums.items() if role_kind(checksum_role(key)[0]) is Role.DRAFT}
+        for rank in ordered
+    )
+    return per_rank if any(per_rank) else None
+
+
+def draft_changes(*, baseline: DraftDigests, current: DraftDigests | None, selector: Selector) -> list[str]:
+    """One line per draft parameter whose digest differs from `baseline` (or that appeared or vanished), naming
+    rank, role and parameter: "rank 0 draft model.layers.2.eh_proj.weight changed although the session selected
+    target". Empty when the draft is byte for byte what it was."""
+    current = () if current is None else current
+    why = f"although the session selected {selector.value}"
+    if len(current) != len(baseline):
+        return [f"the draft answered {len(current)} TP rank(s), {len(baseline)} before the session, {why}"]
+    changes = []
+    for index, (before, after) in enumerate(zip(baseline, current)):
+        where = f"rank {index} " if len(baseline) > 1 else ""
+        for key in sorted(before.keys() | after.keys()):
+            role, name = checksum_role(key)
+            if key not in after:
+                changes.append(f"{where}{role} {name} vanished {why}")
+            elif key not in before:
+                changes.append(f"{where}{role} {name} appeared {why}")
+            elif before[key] != after[key]:
+                changes.append(f"{where}{role} {name} changed {why}")
+    return changes
+
+
+def summarize_changes(changes: Sequence[str]) -> str:
+    shown = "; ".join(changes[:_NUM_CHANGES_SHOWN])
+    more = len(changes) - _NUM_CHANGES_SHOWN
+    return shown if more <= 0 else f"{shown}; and {more} more"
+
+
+def baselines_after(
+    baselines: Mapping[str, DraftDigests], updates: Mapping[str, DraftDigests | None]
+) -> dict[str, DraftDigests]:
+    """`baselines` with each engine's draft digests from a verified session (None: no draft answered)."""
+    result = dict(baselines)
+    for url, digests in updates.items():
+        if digests is not None:
+            result[url] = digests
+    return result
