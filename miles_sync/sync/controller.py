@@ -276,13 +276,15 @@ class SyncController:
         the checkpoint, so what it serves at connect is the draft to keep."""
         request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.ALL)
         answers = await asyncio.gather(
-            *(self._clients[u].weights_checker(request, timeout_s=self._timeouts.control_s) for u in urls)
+            *(self._clients[u].weights_checker(request, timeout_s=self._timeouts.control_s) for u in urls),
+            return_exceptions=True,
         )
         for url in urls:
             self._draft_baselines.pop(url, None)
-        self._draft_baselines = baselines_after(
-            self._draft_baselines, {u: draft_digests(a.ranks) for u, a in zip(urls, answers)}
-        )
+        # An engine whose checker cannot answer now is not guarded until a verified sync records its draft; its
+        # verification fails on the same checker first.
+        readable = {u: draft_digests(a.ranks) for u, a in zip(urls, answers) if not isinstance(a, BaseException)}
+        self._draft_baselines = baselines_after(self._draft_baselines, readable)
 
     async def _connect_engine(self, url: str) -> None:
         client = EngineClient(
