@@ -134,7 +134,8 @@ def sample_process(pid: int) -> ProcessSample | None:
         return None
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...); ones that exit meanwhile are skipped."""
     found, pending = [], [pid]
     while pending:
         try:
@@ -193,11 +194,11 @@ class FleetProbe:
             self.labels.setdefault(pid, role)
             if role == "driver":  # the driver's children are Ray's own processes, not the fleet's
                 continue
-            for child in _descendants(pid):
+            for child in descendants(pid):
                 if child not in named:
                     self.labels.setdefault(child, f"{role}/{command_name(child)}")
         figures = {pid: s for pid in self.labels if (s := sample_process(pid)) is not None}
-        self._run_pids.update(_descendants(os.getpid()))
+        self._run_pids.update(descendants(os.getpid()))
         for pid in self._run_pids:
             self._run_shm |= _shm_held_by(pid) - self._shm_before
         present = shm_entries() - self._shm_before

@@ -29,9 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helper modules
 
-from _procstat import child_pids, cpu_seconds  # noqa: E402
+from _procstat import cpu_seconds, descendants  # noqa: E402
 from _sync_models import sync_series, tensor_sender  # noqa: E402
 
+from launch.sglang_venv import SGLANG_VENV_PYTHON  # noqa: E402
 from miles_sync.engine.process import EngineLauncher  # noqa: E402
 from miles_sync.engine.reference.checkpoints import cached_checkpoints  # noqa: E402
 from miles_sync.engine.reference.launch import ReferenceEngineSpec  # noqa: E402
@@ -40,7 +41,6 @@ from miles_sync.engine.sglang import SGLangEngineSpec  # noqa: E402
 from miles_sync.env import read_environment  # noqa: E402
 from miles_sync.wire.protocol import ChecksumNames  # noqa: E402
 
-SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
 IDLE_WINDOW_S = 5.0
 
 
@@ -55,12 +55,10 @@ def idle_cores(pid: int, *, window_s: float) -> float:
     """CPU seconds per wall second used by `pid` and its descendants over `window_s`."""
 
     def tree_cpu() -> float:
-        total, pending = 0.0, [pid]
-        while pending:
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                current = pending.pop()
-                total += cpu_seconds(current)
-                pending += child_pids(current)
+        total = 0.0
+        for process in (pid, *descendants(pid)):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # exited meanwhile
+                total += cpu_seconds(process)
         return total
 
     before, start = tree_cpu(), time.monotonic()
@@ -73,8 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if not SGLANG_PYTHON.is_file():
-        raise SystemExit(f"no SGLang server venv at {SGLANG_PYTHON.parent.parent}: run bash launch/install_sglang.sh")
+    if not SGLANG_VENV_PYTHON.is_file():
+        raise SystemExit(
+            f"no SGLang server venv at {SGLANG_VENV_PYTHON.parent.parent}: run bash launch/install_sglang.sh"
+        )
     model = cached_checkpoints(read_environment().cache_dir) / "target"
     tensors = {
         n: t for n, t in read_safetensors(model / "model.safetensors").items() if not n.startswith("model.layers.2.")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         reference.start()
         results["reference_s"], results["reference_check"] = median_sync_s(reference.url, tensors, repeats=args.repeats)
         server = EngineLauncher(
-            spec=SGLangEngineSpec(model_path=str(model), device="cpu", python=str(SGLANG_PYTHON)),
+            spec=SGLangEngineSpec(model_path=str(model), device="cpu", python=str(SGLANG_VENV_PYTHON)),
             log_dir=log_dir,
             startup_timeout_s=240.0,
         )

@@ -35,6 +35,7 @@ from actors.placement import PlacedGroups, create_placement_groups
 from actors.rollout import DEFAULT_ENGINE_RESOURCES, EngineGroup, create_engines
 from actors.trainer import DEFAULT_TRAINER_RESOURCES, TrainerGroup, create_trainers
 from launch.cluster import connect_ray
+from launch.sglang_venv import SGLANG_VENV_PYTHON
 from miles_sync.config import EngineConfig, MilesSyncConfig, SyncMode, TrainerConfig
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.kinds import EngineKind, engine_spec
@@ -67,8 +68,6 @@ from miles_sync.wire.protocol import SamplingParams
 
 __all__ = ["JobActors", "JobResult", "run_job", "start_job_actors"]
 
-# The SGLang server venv launch/install_sglang.sh creates beside .venv.
-SGLANG_VENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv-sglang" / "bin" / "python"
 _START_TIMEOUT_S = 600.0  # engines and trainer ranks import torch/megatron and load the checkpoint
 _PLACEMENT_TIMEOUT_S = 120.0
 _ROUND_MARGIN_S = 60.0  # beyond the sync's own timeout, for the controller to report its precise error
@@ -520,8 +519,7 @@ def _sglang_python(engines: EngineConfig) -> str | None:
     miles_sync, as on a GPU image)."""
     if engines.sglang_python is not None:
         return engines.sglang_python
-    installed = SGLANG_VENV_PYTHON
-    return str(installed) if installed.is_file() else None
+    return str(SGLANG_VENV_PYTHON) if SGLANG_VENV_PYTHON.is_file() else None
 
 
 def _lora_spec(config: MilesSyncConfig) -> LoraSpec | None:

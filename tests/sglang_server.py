@@ -6,10 +6,11 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from launch.sglang_venv import SGLANG_VENV_PYTHON as SGLANG_PYTHON
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.sglang import SGLangEngineSpec
 
-SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
+__all__ = ["SGLANG_PYTHON", "STARTUP_TIMEOUT_S", "sglang_server"]
 STARTUP_TIMEOUT_S = 240.0  # 18-46 s measured; more while other servers keep the cores busy
 
 

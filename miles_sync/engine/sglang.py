@@ -36,9 +36,9 @@ from miles_sync.wire.draft import DraftKind
 __all__ = [
     "CPU_FLAGS",
     "SGLANG_DRAFT_KINDS",
-    "cpu_environment",
     "SGLANG_LAUNCH_MODULE",
     "SGLangEngineSpec",
+    "cpu_environment",
     "sglang_speculative_problems",
 ]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
-from miles_sync.sync.draft_guard import DraftDigests, baselines_after, draft_digests
+from miles_sync.sync.draft_guard import DraftDigests, draft_digests
 from miles_sync.sync.lease import LeaseLostError, SyncLease
 from miles_sync.sync.lora import AdapterPayload, adapter_name, run_lora_sync_session
 from miles_sync.sync.pipeline import stage_group_names
@@ -279,12 +279,13 @@ class SyncController:
             *(self._clients[u].weights_checker(request, timeout_s=self._timeouts.control_s) for u in urls),
             return_exceptions=True,
         )
-        for url in urls:
+        for url, answer in zip(urls, answers):
             self._draft_baselines.pop(url, None)
-        # An engine whose checker cannot answer now is not guarded until a verified sync records its draft; its
-        # verification fails on the same checker first.
-        readable = {u: draft_digests(a.ranks) for u, a in zip(urls, answers) if not isinstance(a, BaseException)}
-        self._draft_baselines = baselines_after(self._draft_baselines, readable)
+            # An engine whose checker cannot answer now is not guarded until a verified sync records its draft;
+            # its verification fails on the same checker first.
+            digests = None if isinstance(answer, BaseException) else draft_digests(answer.ranks)
+            if digests is not None:
+                self._draft_baselines[url] = digests
 
     async def _connect_engine(self, url: str) -> None:
         client = EngineClient(

@@ -11,14 +11,15 @@ parameter (`draft_changes`). Pure functions over checker answers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
+from miles_sync.sync.verify import ranks_by_tp_rank
 from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_role, role_kind, selector_roles
+from miles_sync.wire.text import shorten
 
 __all__ = [
     "DRAFT_UNCHANGED",
     "DraftDigests",
-    "baselines_after",
     "draft_changes",
     "draft_digests",
     "guards_draft",
@@ -38,8 +39,8 @@ def guards_draft(selector: Selector) -> bool:
 
 def draft_digests(ranks: Sequence[RankChecksums]) -> DraftDigests | None:
     """The draft entries of a checker answer per TP rank, None when the answer has none (no draft runner)."""
-    numbers = [r.parallelism_info[0].tp_rank if r.parallelism_info else i for i, r in enumerate(ranks)]
-    ordered = [rank for _, rank in sorted(zip(numbers, ranks), key=lambda pair: pair[0])]
+    # Ranks whose tp_rank values do not number 0..n-1 keep their answer order; the guard then compares by position.
+    ordered = ranks_by_tp_rank(ranks) or list(ranks)
     per_rank = tuple(
         {key: digest for key, digest in rank.checksums.items() if role_kind(checksum_role(key)[0]) is Role.DRAFT}
         for rank in ordered
@@ -70,17 +71,4 @@ def draft_changes(*, baseline: DraftDigests, current: DraftDigests | None, selec
 
 
 def summarize_changes(changes: Sequence[str]) -> str:
-    shown = "; ".join(changes[:_NUM_CHANGES_SHOWN])
-    more = len(changes) - _NUM_CHANGES_SHOWN
-    return shown if more <= 0 else f"{shown}; and {more} more"
-
-
-def baselines_after(
-    baselines: Mapping[str, DraftDigests], updates: Mapping[str, DraftDigests | None]
-) -> dict[str, DraftDigests]:
-    """`baselines` with each engine's draft digests from a verified session (None: no draft answered)."""
-    result = dict(baselines)
-    for url, digests in updates.items():
-        if digests is not None:
-            result[url] = digests
-    return result
+    return shorten(changes, limit=_NUM_CHANGES_SHOWN, sep="; ")

@@ -308,7 +308,7 @@ async def _verify_fleet(
     and, when the session left its draft out, the draft guard (miles_sync.sync.draft_guard): its draft digests
     must equal `draft_baselines`. Raises SessionError naming the engine and tensors (engine-exact: rank, role and
     parameter) of every failure."""
-    guarded = {url for url in draft_baselines if guards_draft(selector)}
+    guarded = set(draft_baselines) if guards_draft(selector) else set()
     request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=selector)
     # The guard reads the draft in the same checker call: selector all for the engines whose draft it guards.
     with_draft = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.ALL)

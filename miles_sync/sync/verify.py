@@ -42,6 +42,7 @@ __all__ = [
     "engine_exact_problems",
     "fleet_verdicts",
     "has_cpu_digests",
+    "ranks_by_tp_rank",
     "replica_verdicts",
     "selected_checksums",
     "weights_digest",
@@ -140,7 +141,7 @@ def engine_exact_problems(
     """
     if len(ranks) != len(expected):
         return [f"answered {len(ranks)} TP rank(s); its layout has {len(expected)}"], 0
-    ordered = _by_tp_rank(ranks)
+    ordered = ranks_by_tp_rank(ranks)
     if ordered is None:
         return [f"its ranks' parallelism_info tp_rank values do not number 0..{len(ranks) - 1}"], 0
     roles = selector_roles(selector)
@@ -173,7 +174,7 @@ def engine_exact_problems(
     return problems, len((matched - failed) & set(sent_names))
 
 
-def _by_tp_rank(ranks: Sequence[RankChecksums]) -> list[RankChecksums] | None:
+def ranks_by_tp_rank(ranks: Sequence[RankChecksums]) -> list[RankChecksums] | None:
     """The ranks in tp_rank order (their position where a rank has no parallelism_info); None if not 0..n-1."""
     numbers = [r.parallelism_info[0].tp_rank if r.parallelism_info else i for i, r in enumerate(ranks)]
     if sorted(numbers) != list(range(len(ranks))):

@@ -25,6 +25,7 @@ from silent_member import silent_member
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController, SyncError
+from miles_sync.sync.report import SyncReport
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.weights.checksum import sglang_fused_tensor, sglang_parameter_names, sglang_tensor_hash
@@ -135,6 +136,18 @@ def engine_digests(weights, *, num_layers: int) -> dict[str, str]:
     }
 
 
+async def one_sync(urls, source, *, step: int) -> SyncReport:
+    """One sync of `step`'s weights into `urls` by a fresh controller (closed after); raises SyncError if it fails."""
+    await source.call("configure", settings("distributed"))
+    ctl = controller(urls, source)
+    await ctl.connect()
+    try:
+        await source.call("step", step)
+        return await ctl.sync()
+    finally:
+        await ctl.close()
+
+
 async def model_version(url: str) -> str:
     async with EngineClient(url, timeout_s=30.0) as client:
         return (await client.model_info()).weight_version
@@ -193,14 +206,7 @@ def test_a_failed_verification_holds_real_servers_with_their_weights_untouched(
     urls = [proxy.url for _, proxy in servers]
 
     async def main():
-        await source.call("configure", settings("distributed"))
-        ctl = controller(urls, source)
-        await ctl.connect()
-        try:
-            await source.call("step", 3)
-            await ctl.sync()  # the state before the failure: a verified version
-        finally:
-            await ctl.close()
+        await one_sync(urls, source, step=3)  # the state before the failure: a verified version
         before = [await engine_checksums(u) for u in urls]
         await source.call("configure", settings("distributed", **faulty))
         ctl = controller(urls, source)
@@ -245,14 +251,7 @@ def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, 
     urls = [proxy.url for _, proxy in servers]
 
     async def main():
-        await source.call("configure", settings("distributed"))
-        ctl = controller(urls, source)
-        await ctl.connect()
-        try:
-            await source.call("step", 5)
-            committed = await ctl.sync()
-        finally:
-            await ctl.close()
+        committed = await one_sync(urls, source, step=5)
         with silent_member(weight_version=committed.version) as member:
             await source.call("configure", settings("distributed"))
             ctl = controller([*urls, member.url], source)
@@ -266,14 +265,7 @@ def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, 
             elapsed = time.monotonic() - started
             init_requests = list(member.init_requests)
         served = [await generate(u, timeout_s=30.0) for u in urls]
-        await source.call("configure", settings("distributed"))
-        ctl = controller(urls, source)
-        await ctl.connect()
-        try:
-            await source.call("step", 6)
-            recovered = await ctl.sync()
-        finally:
-            await ctl.close()
+        recovered = await one_sync(urls, source, step=6)
         return committed, failed.value.report, elapsed, init_requests, served, recovered
 
     committed, failure, elapsed, init_requests, served, recovered = asyncio.run(main())
@@ -295,14 +287,7 @@ def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_r
     gate_unit = len(export_units(tensors, num_hidden_layers=num_layers, include_mtp=False)) - 2
 
     async def main():
-        await source.call("configure", settings("distributed"))
-        ctl = controller(urls, source)
-        await ctl.connect()
-        try:
-            await source.call("step", 5)
-            await ctl.sync()
-        finally:
-            await ctl.close()
+        await one_sync(urls, source, step=5)
         before = await engine_checksums(survivor)
         await source.call("configure", settings("distributed"))
         ctl = controller(urls, source)
@@ -324,14 +309,7 @@ def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_r
             await ctl.close()
         after = await engine_checksums(survivor)
         paused = await is_paused(survivor)
-        await source.call("configure", settings("distributed"))
-        ctl = controller([survivor], source)
-        await ctl.connect()
-        try:
-            await source.call("step", 7)
-            recovered = await ctl.sync()
-        finally:
-            await ctl.close()
+        recovered = await one_sync([survivor], source, step=7)
         served = await generate(survivor, timeout_s=10.0)
         return before, previous, failed.value.report, elapsed, held, committed, after, paused, recovered, served
 
