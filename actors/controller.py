@@ -16,6 +16,7 @@ from actors.remote_source import RemoteTrainerSource
 from miles_sync.config import ModelConfig, SyncConfig, SyncMode
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT
 from miles_sync.sync.controller import GroupSettings, SyncController
+from miles_sync.sync.draft_canary import CanarySettings
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 
@@ -35,10 +36,12 @@ def controller_args(
     backend: str = "gloo",
     device: str = "cpu",
     show_progress: bool = False,
+    canary_prompts: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """SyncController's keyword arguments for trainer actors and engine URLs configured by `sync` and `model`.
     Pure. `backend`/`device`: "gloo"/"cpu", or "nccl"/"cuda" where the trainers' models live on GPUs (buckets are
-    packed on the device and CUDA IPC handles travel)."""
+    packed on the device and CUDA IPC handles travel). `canary_prompts`: the draft canary's prompts as token ids (needed
+    when `sync.draft_canary` is on)."""
     settings = SenderSettings(
         transport=sync.transport.value,
         bucket_bytes=sync.bucket_bytes,
@@ -77,6 +80,11 @@ def controller_args(
         "show_progress": show_progress,
         "quantization": sync.quantization_spec,
         "lora_name": sync.lora.name if sync.mode is SyncMode.LORA else None,
+        "draft_canary": CanarySettings(
+            mode=sync.draft_canary,
+            min_ratio=sync.draft_canary_min_ratio,
+            prompts=tuple(tuple(p) for p in canary_prompts),
+        ),
     }
 
 
@@ -95,6 +103,7 @@ def create_controller(
     show_progress: bool = False,
     options: dict[str, Any] | None = None,
     timeout_s: float = 120.0,
+    canary_prompts: Sequence[Sequence[int]] = (),
 ) -> Any:
     """Start the controller actor and connect it to every trainer rank and engine; returns its handle.
 
@@ -118,6 +127,7 @@ def create_controller(
         backend=backend,
         device=device,
         show_progress=show_progress,
+        canary_prompts=canary_prompts,
     )
     # An async actor (one event loop for its engine clients); it computes nothing, so it needs no CPU of its own.
     remote_class = ray.remote(SyncController)

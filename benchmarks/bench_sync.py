@@ -55,8 +55,12 @@ and the source's quantization time as a share of it. LoRA vs full (bench_lora.py
 on q/k/v/o/gate/up/down, colocated into one LoRA-serving engine): bytes sent, sync wall and pause window. `topologies`
 holds one key per layout compared side by side (engine TP=2 vs 1, PP=2 concurrent stage sources vs one gathered
 source, EP=2 vs 1, FP8 vs BF16, LoRA vs full, colocated vs distributed, layout digests predicted ahead of the
-pause vs in it), each a ratio of two measurements of this
+pause vs in it, the draft guard's checker call vs the target-only one), each a ratio of two measurements of this
 run; `commit` names the checkout that produced the JSON.
+
+Draft guard (bench_draft_guard.py's comparison, same model plus a frozen MTP layer, 2 engines): the verification's
+checker call with the draft (selector `all`, what every guarded sync issues) against the target-only call,
+alternated; the difference as a share of the guarded sync's verify phase and wall (`draft_guard`).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ from _sync_models import (  # noqa: E402
     pause_window_s,
     tensor_sender,
 )
+from bench_draft_guard import bench_draft_guard_model  # noqa: E402
 from bench_fp8 import bench_model as bench_fp8_model  # noqa: E402
 from bench_lora import bench_model as bench_lora_model  # noqa: E402
 
@@ -836,7 +841,9 @@ def parallel_ratio(section: dict, name: str) -> float:
     return next(r["total_gbps_ratio"] for r in section["cases"] if (r["case"], r["verify"]) == (name, True))
 
 
-def topologies(rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | None) -> dict:
+def topologies(
+    rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | None, guard: dict | None = None
+) -> dict:
     """One key per topology compared side by side in this run; each value is a ratio of two of its measurements
     (time ratios: > 1 is slower than the baseline named after `_vs_`)."""
     out = {
@@ -864,6 +871,9 @@ def topologies(rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | 
     if lora is not None:
         out["lora_vs_full_bytes"] = lora["bytes_ratio"]
         out["lora_vs_full_sync_s"] = lora["sync_s_ratio"]
+    if guard is not None:
+        out["draft_guard_checker_vs_target_only"] = guard["checker_all_vs_target"]
+        out["draft_guard_added_share_of_verify"] = guard["added_share_of_verify"]
     return out
 
 
@@ -1033,13 +1043,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parallel = bench_parallel(
             quick=args.quick, cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET
         )
-    fp8 = lora = None
+    fp8 = lora = guard = None
     if not args.parallel_only:
         smallest = min(names, key=lambda n: model_size(MODELS[n]))
         log(f"{smallest}: FP8 vs BF16")
         fp8 = bench_fp8_model(smallest, cache=args.cache, block=128, repeats=args.repeats, log_dir=args.log_dir)
         log(f"{smallest}: LoRA vs full")
         lora = bench_lora_model(smallest, cache=args.cache, rank=16, repeats=args.repeats, log_dir=args.log_dir)
+        log(f"{smallest}: draft guard (frozen MTP draft, selector target)")
+        guard = bench_draft_guard_model(smallest, cache=args.cache, repeats=args.repeats, log_dir=args.log_dir)
     result = {
         **(summarize(rows) if rows else {}),
         "quick": args.quick,
@@ -1055,7 +1067,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "parallel": parallel,
         "fp8": fp8,
         "lora": lora,
-        "topologies": topologies(rows, parallel, fp8, lora),
+        "draft_guard": guard,
+        "topologies": topologies(rows, parallel, fp8, lora, guard),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -61,6 +61,7 @@ from miles_sync.job.run_report import (
 )
 from miles_sync.job.trainer import ScoreBatch
 from miles_sync.megatron.lora import LoraSpec
+from miles_sync.sync.draft_canary import CanaryMode
 from miles_sync.sync.lora import adapter_name
 from miles_sync.sync.report import ProgressBar, SyncReport
 from miles_sync.transport.base import FeedPlan, transport_spec
@@ -119,8 +120,15 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
                     row, samples = fleet.round(index, samples)
                     rounds.append(row)
                     advance(format_row(row))
+                    for warning in row.warnings:
+                        log(f"  warning: {warning}")
                     if row.synced and not row.committed:
                         raise RuntimeError(f"round {index}: the sync failed: {row.error}")
+                    if row.canary_flagged and config.sync.draft_canary is CanaryMode.HOLD:
+                        raise RuntimeError(
+                            f"round {index}: the draft canary held {', '.join(row.canary_flagged)} paused "
+                            "(sync.draft_canary=hold); see the warnings above"
+                        )
     except BaseException as exc:
         status = f"failed: {type(exc).__name__}: {exc}"
         raise
@@ -209,6 +217,9 @@ def start_job_actors(
             api_key=config.engines.api_key,
             admin_api_key=config.engines.admin_api_key,
             timeout_s=_START_TIMEOUT_S,
+            # The canary's prompts come from the task the draft predicts (round 0's): on them the baseline is high
+            # enough that a collapse shows.
+            canary_prompts=make_prompts(0, num_prompts=config.rollout.num_prompts, length=config.rollout.prompt_length),
         )
         stack.callback(_close_controller, controller)
         sources = [info for info in trainers.ranks if info.is_source]  # one per pipeline stage
@@ -356,7 +367,9 @@ class _Fleet:
         report = self._sync_with_progress()
         if report.committed and self._config.sync.mode is SyncMode.LORA:
             self._lora_path = adapter_name(self._config.sync.lora.name, report.version)
-        if not report.committed:
+        # A canary in hold mode paused the engines it flagged: no rollouts go to them, and the run stops.
+        is_held = bool(report.canary_flagged) and self._config.sync.draft_canary is CanaryMode.HOLD
+        if not report.committed or is_held:
             self._log(report.summary())
             return round_record(index, report, loss=loss, trainer_step=step, rollouts=None), []
         samples = self.rollouts(index)

@@ -30,6 +30,7 @@ from miles_sync.engine.sglang import sglang_speculative_problems
 from miles_sync.env import bind_host
 from miles_sync.export.registry import ConversionMode
 from miles_sync.megatron.parallel_layout import parallel_layout_problems
+from miles_sync.sync.draft_canary import CanaryMode
 from miles_sync.sync.selector import SelectorMode, selector_input_problems
 from miles_sync.transport.base import TransportKind
 from miles_sync.weights.fp8 import DEFAULT_BLOCK, Fp8Block, Quantization
@@ -135,9 +136,18 @@ class SyncConfig:
     # lora: train adapters on a frozen base and sync only them (see LoraSyncConfig).
     mode: SyncMode = SyncMode.FULL
     lora: LoraSyncConfig = field(default_factory=LoraSyncConfig)
+    # The acceptance canary after every committed sync (miles_sync.sync.draft_canary): one greedy prompt per engine,
+    # its draft accept length against the engine's last passing reading. none | warn (a report warning) | hold (the
+    # engine is also held paused and the job stops). Opt-in: it costs one short generation per engine and sync.
+    draft_canary: CanaryMode = CanaryMode.NONE
+    draft_canary_min_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         problems = []
+        if not 0 < self.draft_canary_min_ratio <= 1:
+            problems.append(f"draft_canary_min_ratio={self.draft_canary_min_ratio} is not in (0, 1]")
+        if self.mode is SyncMode.LORA and self.draft_canary is not CanaryMode.NONE:
+            problems.append("mode=lora has no draft canary (the engines' draft serves the base); set draft_canary=none")
         if self.mode is SyncMode.LORA:
             if self.quantization is not Quantization.NONE:
                 problems.append("mode=lora sends adapters in the trainer's dtype; quantization must be none")
@@ -448,6 +458,11 @@ class MilesSyncConfig:
         problems += self.sync.conversion_problems(
             arch=self.model.arch, num_trained_mtp_layers=self.model.num_trained_mtp_layers
         )
+        if self.sync.draft_canary is not CanaryMode.NONE and self.engines.draft_kind is DraftKind.NONE:
+            problems.append(
+                f"sync.draft_canary={self.sync.draft_canary.value} measures a draft's accept length; "
+                "engines.draft_kind is none"
+            )
         if self.engines.kind is EngineKind.SGLANG and not self.engines.urls:  # what the launched servers would refuse
             problems += [
                 f"engines.kind=sglang: {p} (model.speculative_algorithm, engines.draft_kind)"

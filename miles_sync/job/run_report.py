@@ -93,6 +93,11 @@ class RoundRecord:
     logprob_diff_mean: float | None
     samples_tagged: bool  # every rollout sample carries `version`
     draft_guard: str = ""  # "draft unchanged": the session left the draft out and its digests held (draft guard)
+    # The draft canary's accept length per engine the sync verified (empty when sync.draft_canary is none), and the
+    # engines it flagged (miles_sync.sync.draft_canary).
+    canary_accept_length: tuple[float | None, ...] = ()
+    canary_flagged: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # the sync's problems that did not fail it (SyncReport.warnings)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +135,9 @@ def round_record(
         verified=verified,
         verification=report.verification,
         draft_guard=report.draft_guard,
+        canary_accept_length=tuple(r.accept_length for r in report.canary),
+        canary_flagged=report.canary_flagged,
+        warnings=report.warnings,
         error=report.error,
         selector=None if report.selector is None else report.selector.value,
         sync_s=report.total_s,
@@ -227,12 +235,15 @@ _UNVERIFIED_REASONS = {
 
 def _verified_cell(row: RoundRecord) -> str:
     """The run table's `verified` column: "yes (<check>)" when every engine matched the trainer's bytes, the
-    reason when a committed sync was not checked against them, "FAILED" when it did not commit."""
+    reason when a committed sync was not checked against them, "FAILED" when it did not commit; "; canary LOW"
+    follows when the draft canary flagged an engine."""
     if not row.committed:
         return "FAILED"
     if row.verified:
-        return f"yes ({row.verification}{', ' + row.draft_guard if row.draft_guard else ''})"
-    return _UNVERIFIED_REASONS.get(row.verification, f"no ({row.verification or 'not checked'})")
+        cell = f"yes ({row.verification}{', ' + row.draft_guard if row.draft_guard else ''})"
+    else:
+        cell = _UNVERIFIED_REASONS.get(row.verification, f"no ({row.verification or 'not checked'})")
+    return f"{cell}; canary LOW" if row.canary_flagged else cell
 
 
 def format_row(row: RoundRecord | BaselineRecord) -> str:

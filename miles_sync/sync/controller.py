@@ -30,6 +30,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
+from miles_sync.sync.draft_canary import (
+    CanaryMode,
+    CanaryReading,
+    CanarySettings,
+    canary_requests,
+    judge_reading,
+    mean_reading,
+)
+from miles_sync.sync.draft_canary import next_baselines as next_canary_baselines
 from miles_sync.sync.draft_guard import DraftDigests, draft_digests
 from miles_sync.sync.lease import LeaseLostError, SyncLease
 from miles_sync.sync.lora import AdapterPayload, adapter_name, run_lora_sync_session
@@ -114,9 +123,11 @@ class SyncController:
         show_progress: bool = True,
         quantization: Fp8Block | None = None,
         lora_name: str | None = None,
+        draft_canary: CanarySettings | None = None,
     ) -> None:
         """`lora_name`: sync LoRA adapters under this engine adapter name (miles_sync.sync.lora: the source's
-        `adapter_payload`, never the base); None: full syncs."""
+        `adapter_payload`, never the base); None: full syncs. `draft_canary`: the acceptance canary after every
+        committed sync (miles_sync.sync.draft_canary); None: none."""
         problems = []
         duplicates = sorted({u for u in engine_urls if list(engine_urls).count(u) > 1})
         if not engine_urls:
@@ -161,6 +172,8 @@ class SyncController:
         # Each engine's draft digests (miles_sync.sync.draft_guard), read at connect and after every verified sync:
         # a session that leaves the draft out fails on an engine whose draft no longer answers them.
         self._draft_baselines: dict[str, DraftDigests] = {}
+        self._canary = CanarySettings() if draft_canary is None else draft_canary
+        self._canary_baselines: dict[str, float] = {}  # each engine's last passing canary accept length
         self._version = 0  # last committed
         self._last_attempt = 0  # versions are never reused, not even those of failed syncs
         self._weight_version = ""
@@ -260,6 +273,7 @@ class SyncController:
             check_engines([EngineEndpoint(url=u, tp_size=self._tp_sizes[u]) for u in self._urls])
         if self._verify:
             await self._read_draft_baselines(self._urls)
+        await self._read_canary_baselines(self._urls)
         infos = await asyncio.gather(*(self._clients[u].model_info() for u in self._urls))
         versions = {u: info.weight_version for u, info in zip(self._urls, infos)}
         common = max(set(versions.values()), key=list(versions.values()).count)
@@ -286,6 +300,57 @@ class SyncController:
             digests = None if isinstance(answer, BaseException) else draft_digests(answer.ranks)
             if digests is not None:
                 self._draft_baselines[url] = digests
+
+    async def _read_canary_baselines(self, urls: Sequence[str]) -> None:
+        """The canary's first baselines: each engine's accept length on the canary prompt now (none measured for
+        an engine that answers none, e.g. without a draft; its later readings are then never judged)."""
+        if not self._canary.is_enabled:
+            return
+        readings = await self._measure_canary(urls, baselines={})
+        for url in urls:
+            self._canary_baselines.pop(url, None)
+        self._canary_baselines = next_canary_baselines(self._canary_baselines, readings)
+
+    async def _measure_canary(self, urls: Sequence[str], *, baselines: dict[str, float]) -> list[CanaryReading]:
+        """The canary's requests on every engine in `urls`, each engine's mean judged against `baselines`; an
+        engine whose requests failed gets a reading without an accept length whose message says why."""
+        requests = canary_requests(self._canary)
+
+        async def measure(url: str) -> CanaryReading:
+            client, timeout_s = self._clients[url], self._timeouts.control_s
+            try:
+                answers = await asyncio.gather(*(client.generate(r, timeout_s=timeout_s) for r in requests))
+            except Exception as exc:
+                why = f"{url}: draft canary request failed: {str(exc) or type(exc).__name__}"
+                return CanaryReading(url=url, accept_length=None, baseline=baselines.get(url), message=why)
+            return judge_reading(
+                url,
+                accept_length=mean_reading([a.meta_info.spec_accept_length for a in answers]),
+                baseline=baselines.get(url),
+                min_ratio=self._canary.min_ratio,
+            )
+
+        return list(await asyncio.gather(*(measure(u) for u in urls)))
+
+    async def _run_canary(self, report: SyncReport) -> SyncReport:
+        """The canary after a committed sync, on every engine the sync verified (module docstring of
+        miles_sync.sync.draft_canary): readings and findings go into the report; in hold mode a flagged engine is
+        paused again and held, its weights untouched."""
+        urls = [e.url for e in report.engines if e.success]
+        readings = await self._measure_canary(urls, baselines=self._canary_baselines)
+        self._canary_baselines = next_canary_baselines(self._canary_baselines, readings)
+        warnings = [r.message for r in readings if r.message]
+        if self._canary.mode is CanaryMode.HOLD:
+            for reading in (r for r in readings if r.flagged):
+                try:
+                    await self._clients[reading.url].pause_generation(
+                        self._pause_mode, timeout_s=self._timeouts.control_s
+                    )
+                except Exception as exc:  # still unrouted: stale until a later sync's canary passes
+                    warnings.append(f"{reading.url}: pausing it for the draft canary failed: {exc}")
+                self._stale.add(reading.url)
+                self._held[reading.url] = f"sync v{report.version}: {reading.message}"
+        return replace(report, canary=tuple(readings), warnings=(*report.warnings, *warnings))
 
     async def _connect_engine(self, url: str) -> None:
         client = EngineClient(
@@ -320,6 +385,8 @@ class SyncController:
             await self._connect_engine(new_url)
             if self._verify:
                 await self._read_draft_baselines([new_url])
+            self._canary_baselines.pop(old_url, None)
+            await self._read_canary_baselines([new_url])
             self._stale.add(new_url)
             await self._close_group()
 
@@ -381,6 +448,8 @@ class SyncController:
                     except LeaseLostError as exc:
                         report = replace(report, committed=False, error=f"not committed: {exc}")
             self._record(report)
+            if report.committed and self._canary.is_enabled:
+                report = await self._run_canary(report)
             if not report.committed:
                 await self._destroy_engine_groups()  # the session already closed the source's side, if it could
         if not report.committed and raise_on_failure:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from miles_sync.sync.draft_canary import CanaryReading
 from miles_sync.wire.codec import decode, encode
 from miles_sync.wire.protocol import Selector
 
@@ -98,8 +99,16 @@ class SyncReport:
     # The checks that passed, fleet-wide: "off", or the distinct per-engine `verification` values joined by "+"
     # (e.g. "engine-exact+exact"); `summary()` prints it.
     verification: str = "off"
-    # Problems that did not fail the sync (e.g. an in_place pause whose cache flush after resume never succeeded).
+    # Problems that did not fail the sync (e.g. an in_place pause whose cache flush after resume never succeeded,
+    # a draft canary below its baseline).
     warnings: tuple[str, ...] = ()
+    # The acceptance canary's reading per engine the sync verified (miles_sync.sync.draft_canary); empty when off.
+    canary: tuple[CanaryReading, ...] = ()
+
+    @property
+    def canary_flagged(self) -> tuple[str, ...]:
+        """The engines whose draft canary fell below its baseline's fraction at this sync."""
+        return tuple(r.url for r in self.canary if r.flagged)
 
     @property
     def gb_per_s(self) -> float:

@@ -25,6 +25,7 @@ from miles_sync.config import (
 from miles_sync.engine.kinds import EngineKind
 from miles_sync.engine.settings import FinalizePolicy
 from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.draft_canary import CanaryMode
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.transport.base import TransportKind
 from miles_sync.weights.layout import WeightLayout
@@ -204,6 +205,17 @@ def test_invalid_trainer_layout_is_refused_at_load_naming_each_factor():
 def test_speculative_config_with_matching_draft_is_accepted():
     config = load_config(overrides=["model.speculative_algorithm=NGRAM", "engines.draft_kind=ngram"])
     assert config.model.speculative_algorithm == "NGRAM"
+
+
+def test_the_draft_canary_is_refused_where_it_cannot_measure():
+    config = load_config(overrides=["sync.draft_canary=hold", "sync.draft_canary_min_ratio=0.4"])
+    assert config.sync.draft_canary is CanaryMode.HOLD and config.sync.draft_canary_min_ratio == 0.4
+    with pytest.raises(ValueError, match="sync.draft_canary=warn measures a draft's accept length"):
+        load_config(overrides=["sync.draft_canary=warn", "engines.draft_kind=none", "model.speculative_algorithm=null"])
+    with pytest.raises(ValueError, match="mode=lora has no draft canary"):
+        load_config(overrides=["sync.draft_canary=warn", "sync.mode=lora"])
+    with pytest.raises(ValueError, match=r"draft_canary_min_ratio=1.5 is not in \(0, 1\]"):
+        load_config(overrides=["sync.draft_canary_min_ratio=1.5"])
 
 
 def test_records_are_frozen():

@@ -349,6 +349,8 @@ CONFIG_FIELDS = {
         "fp8_block": None,
         "mode": None,
         "lora": {"rank": None, "alpha": None, "target_modules": None, "name": None, "flatten_min_bytes": None},
+        "draft_canary": None,
+        "draft_canary_min_ratio": None,
     },
     "cluster": {
         "address": None,
