@@ -23,7 +23,7 @@ from miles_sync.sync.pipeline import PipelineSource
 from miles_sync.sync.report import BucketProgress, InIndexOrder
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.source import RankInfo, RankSendResult
-from miles_sync.sync.weight_source import SendResult, StageResult
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.base import (
     EngineEndpoint,
     FeedPlan,
@@ -76,7 +76,7 @@ def _on_rank(actor: object, name: str, method: str, kwargs: dict[str, Any]) -> A
     return getattr(attached_source(name), method)(**kwargs)
 
 
-class RemoteTrainerSource:
+class RemoteTrainerSource(WeightSource):
     """The WeightSource (miles_sync.sync.weight_source) over trainer actors whose processes attached a model.
 
     Async, for the controller actor's event loop. `connect()` first: it reads every rank's RankInfo and groups the
@@ -85,6 +85,9 @@ class RemoteTrainerSource:
     order: miles_sync.sync.pipeline). With one stage that is exactly one source and one group. Every call has a
     deadline.
     """
+
+    can_stage = True
+    syncs_adapters = True
 
     def __init__(
         self,
@@ -263,9 +266,11 @@ class _RankCalls:
             raise _cause(exc) from None
 
 
-class StageSource:
+class StageSource(WeightSource):
     """The WeightSource over the trainer ranks of one pipeline stage: every call goes to all of them (the
     export's collectives pair up within the stage), and the stage's source rank's answer is the result."""
+
+    can_stage = True
 
     def __init__(self, *, stage: int, trainers: Sequence[Any], source_index: int, calls: _RankCalls) -> None:
         self.index = stage  # its pipeline stage

@@ -113,9 +113,10 @@ from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
 from miles_sync.env import adopt_bind_host
 from miles_sync.sync.controller import GroupSettings
+from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.sender import Sender
-from miles_sync.sync.weight_source import SendResult, StageResult
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
 from miles_sync.transport.group import start_store_server  # noqa: E402
@@ -146,7 +147,7 @@ def model_sender(tensors: dict[str, torch.Tensor], *, transport: str, bucket_byt
     return tensor_sender(tensors, transport=transport, bucket_bytes=bucket_bytes, hash_buckets=verify)
 
 
-class PerTensorSource:
+class PerTensorSource(WeightSource):
     """Baseline (b), a WeightSource: per tensor, one `update_weights_from_distributed` POST naming it and one
     broadcast of its own bytes (a single-tensor flattened bucket is byte-for-byte the tensor: no copy). Sends no
     checksums, so it runs with verify off."""
@@ -172,8 +173,13 @@ class PerTensorSource:
         return bound
 
     async def send(
-        self, *, selector: Selector, on_bucket: Callable[[BucketProgress], None] | None = None
+        self,
+        *,
+        selector: Selector,
+        on_bucket: Callable[[BucketProgress], None] | None = None,
+        engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult:
+        """Predicts no engine digests (it runs with verify off)."""
         assert self._transport is not None, "open() first"
         start, num_bytes = time.perf_counter(), 0
         for name, tensor in self._tensors.items():
@@ -201,7 +207,7 @@ class PerTensorSource:
         self._clients = []
 
 
-class DigestsInPause:
+class DigestsInPause(WeightSource):
     """A Sender whose `stage()` takes no engine-digest plan, so a staged send predicts the engines' layout digests
     inside the pause (what every staged sync did before stage() took the plan): the baseline of the engine-digest
     comparison."""
@@ -217,7 +223,12 @@ class DigestsInPause:
     ) -> GroupMembership | None:
         return await self._sender.open(engines=engines, membership=membership)
 
-    async def stage(self) -> StageResult:
+    can_stage = True
+
+    async def stage(
+        self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
+    ) -> StageResult:
+        """Packs ahead without the plan: the next send predicts the engine digests inside the pause."""
         return await self._sender.stage()
 
     async def send(self, **options) -> SendResult:

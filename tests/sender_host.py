@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from miles_sync.export.units import ExportedUnit, units_from_hf_tensors
+from miles_sync.sync.weight_source import WeightSource
 
 _PERTURBATION = 1e-4  # small enough that generation quality survives a few steps
 
@@ -189,8 +190,10 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
             conn.send((request_id, "error", f"{type(exc).__name__}: {exc}"))
 
 
-class ProcessSource:
+class ProcessSource(WeightSource):
     """WeightSource for a sender in another process; each call waits at most `timeout_s`."""
+
+    can_stage = True
 
     def __init__(self, *, target_dir: Path, timeout_s: float = 120.0) -> None:
         context = multiprocessing.get_context("spawn")

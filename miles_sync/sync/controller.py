@@ -134,8 +134,10 @@ class SyncController:
             problems.append("engine_urls is empty")
         if duplicates:
             problems.append(f"engine_urls repeat {duplicates}")
-        if staged and not callable(getattr(source, "stage", None)):
-            problems.append(f"staged export needs a source with stage(); {type(source).__name__} has none")
+        if staged and not source.can_stage:
+            problems.append(f"staged export needs a source that can stage; {type(source).__name__} cannot")
+        if lora_name is not None and not source.syncs_adapters:
+            problems.append(f"LoRA syncs need a source that answers adapters; {type(source).__name__} does not")
         if not lease_wait_s > 0:
             problems.append(f"lease_wait_s={lease_wait_s} must be positive")
         try:
@@ -229,7 +231,7 @@ class SyncController:
         """Every open update group: one per pipeline stage of the source, in stage order (empty when none is)."""
         if not self._is_open or self._membership is None:
             return ()
-        stages = tuple(m for m in getattr(self._source, "memberships", ()) if m is not None)
+        stages = tuple(m for m in self._source.memberships if m is not None)
         return stages or (self._membership,)
 
     @property
@@ -260,17 +262,14 @@ class SyncController:
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
     async def connect(self) -> tuple[Any, ...]:
-        """Connect the source first when it has a `connect()` (a proxy for trainer actors finds its source rank
-        there), then probe every engine (refusing one that lacks an endpoint the sync needs) and read its TP size
-        and version. Engines that disagree on the version are stale until the first sync. Returns what the
-        source's `connect()` returned (`trainer_ranks`), empty for a source without one."""
-        connect_source = getattr(self._source, "connect", None)
-        if callable(connect_source):
-            self._trainer_ranks = tuple(await connect_source())
+        """Connect the source first (a proxy for trainer actors finds its source rank there), then probe every
+        engine (refusing one that lacks an endpoint the sync needs), read its TP size and version, and let the
+        source refuse engines its transport cannot reach. Engines that disagree on the version are stale until the
+        first sync. Returns what the source's `connect()` returned (`trainer_ranks`; empty by default)."""
+        self._trainer_ranks = tuple(await self._source.connect())
         await asyncio.gather(*(self._connect_engine(url) for url in self._urls))
-        check_engines = getattr(self._source, "check_engines", None)
-        if callable(check_engines):  # e.g. a colocated engine without a trainer rank on its node: refused now
-            check_engines([EngineEndpoint(url=u, tp_size=self._tp_sizes[u]) for u in self._urls])
+        # e.g. a colocated engine without a trainer rank on its node: refused now, not at the first sync
+        self._source.check_engines([EngineEndpoint(url=u, tp_size=self._tp_sizes[u]) for u in self._urls])
         if self._verify:
             await self._read_draft_baselines(self._urls)
         await self._read_canary_baselines(self._urls)
@@ -508,7 +507,7 @@ class SyncController:
             # A fresh name per generation: an engine that missed the last teardown still has the old group.
             name = f"{self._group.name}_{self._group_token}_{self._generation}"
             # A source with pipeline stages opens one group per stage under names derived from this one.
-            self._group_names = stage_group_names(name, num_stages=getattr(self._source, "num_stages", 1))
+            self._group_names = stage_group_names(name, num_stages=self._source.num_stages)
             membership = plan_membership(
                 engines=endpoints,
                 group_name=name,

@@ -84,6 +84,7 @@ class StagedStream:
         self._buckets = deque(buckets)
         self.export_s = export_s
         self.pack_s = pack_s
+        self.quantize_s = 0.0  # quantized at stage time, not during the send that replays it
         self.digests = digests
 
     def next_bucket(self) -> PackedBucket | None:

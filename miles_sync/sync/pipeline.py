@@ -29,13 +29,7 @@ from typing import Any
 
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
-from miles_sync.sync.weight_source import (
-    SendResult,
-    StageResult,
-    WeightSource,
-    send_with_digests,
-    stage_with_digests,
-)
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
@@ -51,8 +45,9 @@ def stage_group_names(group_name: str, *, num_stages: int) -> tuple[str, ...]:
     return tuple(stage_group_name(group_name, stage=k, num_stages=num_stages) for k in range(num_stages))
 
 
-class PipelineSource:
-    """A WeightSource over one WeightSource per pipeline stage, in stage order (module docstring)."""
+class PipelineSource(WeightSource):
+    """A WeightSource over one WeightSource per pipeline stage, in stage order (module docstring). It can stage
+    when every stage can."""
 
     def __init__(self, stages: Sequence[WeightSource]) -> None:
         if not stages:
@@ -60,6 +55,7 @@ class PipelineSource:
         self._stages = tuple(stages)
         self._memberships: tuple[GroupMembership | None, ...] = ()
         self._is_staged = False
+        self.can_stage = all(s.can_stage for s in self._stages)
 
     @property
     def num_stages(self) -> int:
@@ -118,13 +114,11 @@ class PipelineSource:
         """Every stage packs all its buckets now, concurrently; the next `send` only transfers them, in order. With
         a selector and a plan, each stage that can also predicts its engine digests now (`Sender.stage`)."""
         start = time.perf_counter()
-        unable = [k for k, s in enumerate(self._stages) if _stage_of(s) is None]
+        unable = [k for k, s in enumerate(self._stages) if not s.can_stage]
         if unable:
-            raise RuntimeError(f"pipeline stages {unable} cannot pack ahead (their sources have no stage())")
+            raise RuntimeError(f"pipeline stages {unable} cannot pack ahead (their sources cannot stage)")
         results = await _all(
-            enumerate(self._stages),
-            "staging",
-            lambda s: stage_with_digests(s, selector=selector, plan=engine_digests),
+            enumerate(self._stages), "staging", lambda s: s.stage(selector=selector, engine_digests=engine_digests)
         )
         self._is_staged = True
         return StageResult(
@@ -150,12 +144,10 @@ class PipelineSource:
         is_staged, self._is_staged = self._is_staged, False
         packing: asyncio.Future | None = None
         if not is_staged and self.num_stages > 1:
-            ahead = [(k, s) for k, s in enumerate(self._stages) if k > 0 and _stage_of(s) is not None]
+            ahead = [(k, s) for k, s in enumerate(self._stages) if k > 0 and s.can_stage]
             if ahead:
                 packing = asyncio.ensure_future(
-                    _all(
-                        ahead, "packing ahead", lambda s: stage_with_digests(s, selector=selector, plan=engine_digests)
-                    )
+                    _all(ahead, "packing ahead", lambda s: s.stage(selector=selector, engine_digests=engine_digests))
                 )
         results: list[SendResult] = []
         try:
@@ -164,9 +156,7 @@ class PipelineSource:
                     await packing  # a stage that failed to pack ahead fails the send before its turn
                 relay = _Relay(on_bucket, results=results, start=start)
                 try:
-                    results.append(
-                        await send_with_digests(source, selector=selector, on_bucket=relay, plan=engine_digests)
-                    )
+                    results.append(await source.send(selector=selector, on_bucket=relay, engine_digests=engine_digests))
                 except Exception as exc:
                     if self.num_stages == 1:
                         raise
@@ -183,8 +173,8 @@ class PipelineSource:
         await _all(enumerate(self._stages), "closing", lambda s: s.close())
 
     async def connect(self) -> tuple[Any, ...]:
-        """Each stage's own `connect()` where it has one (e.g. trainer actors), concatenated in stage order."""
-        answers = await asyncio.gather(*(_connect_of(s)() for s in self._stages if _connect_of(s) is not None))
+        """Each stage's own `connect()` (e.g. trainer actors), concatenated in stage order."""
+        answers = await asyncio.gather(*(s.connect() for s in self._stages))
         return tuple(item for answer in answers for item in answer)
 
 
@@ -235,17 +225,8 @@ def _combine(results: Sequence[SendResult], *, start: float) -> SendResult:
         pack_s=sum(r.pack_s for r in results),
         send_s=time.perf_counter() - start,
         engine_checksums=engine_checksums,
+        quantize_s=sum(r.quantize_s for r in results),
     )
-
-
-def _stage_of(source: WeightSource) -> Callable[[], Any] | None:
-    method = getattr(source, "stage", None)
-    return method if callable(method) else None
-
-
-def _connect_of(source: WeightSource) -> Callable[[], Any] | None:
-    method = getattr(source, "connect", None)
-    return method if callable(method) else None
 
 
 async def _all(stages: Iterable[tuple[int, WeightSource]], what: str, call: Callable[[WeightSource], Any]) -> list[Any]:

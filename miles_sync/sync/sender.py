@@ -35,7 +35,7 @@ from miles_sync.sync.buffers import DoubleBuffer, FreshBuffers, trim_heap
 from miles_sync.sync.engine_digests import EngineDigester, EngineDigestPlan, EngineLayout, PredictedDigests
 from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, bucket_checksums, bucket_tensors
 from miles_sync.sync.report import BucketProgress
-from miles_sync.sync.weight_source import SendResult, StageResult
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.base import (
     TRANSPORTS,
     EngineEndpoint,
@@ -87,8 +87,8 @@ class SenderSettings:
             raise ValueError("invalid SenderSettings: " + "; ".join(problems))
 
 
-class Sender:
-    """Sends the weights one export stream yields. Implements WeightSource in the trainer's process.
+class Sender(WeightSource):
+    """Sends the weights one export stream yields: the WeightSource in the trainer's process.
 
     `settings`: how it sends (transport, bucket size, timeouts, keys, device, hashing); one record, as the
     controller chose it. `export()` returns a fresh stream of ExportedUnits per call (the model's current weights);
@@ -106,6 +106,8 @@ class Sender:
     leaves a verified baseline, and after a failed send the controller cannot tell an untouched engine from a
     partial one, so it holds every engine the session reached paused.
     """
+
+    can_stage = True
 
     def __init__(
         self,
@@ -361,7 +363,7 @@ class Sender:
             pack_s=stream.pack_s,
             send_s=time.perf_counter() - start,
             engine_checksums=_engine_checksums(predicted, digester),
-            quantize_s=getattr(stream, "quantize_s", 0.0),  # a staged stream quantized at stage time
+            quantize_s=stream.quantize_s,
         )
 
     async def _follow(self, draining: asyncio.Future) -> None:

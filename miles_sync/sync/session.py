@@ -60,7 +60,7 @@ from miles_sync.sync.quantization import check_fleet_quantization
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
 from miles_sync.sync.verify import DRAFT_GUARD, Verdict, fleet_verdicts, weights_digest
-from miles_sync.sync.weight_source import SendResult, WeightSource, send_with_digests, stage_with_digests
+from miles_sync.sync.weight_source import SendResult, WeightSource
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
@@ -212,7 +212,7 @@ async def _sync(
     layouts = await plan_engine_digests(fleet.engines, selector=selector, timeout_s=t) if verify else FleetLayouts()
     if staged:  # before the pause: the engines keep generating while the next version is exported, packed, hashed
         with clock.phase("stage"):
-            await stage_with_digests(source, selector=selector, plan=layouts.plan)
+            await source.stage(selector=selector, engine_digests=layouts.plan)
     with clock.phase("pause"):
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
         if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running: flushed after the resume
@@ -222,7 +222,7 @@ async def _sync(
         await fleet.step("begin", lambda e: e.begin_weight_update(selector, timeout_s=t))
     with clock.phase("send"):
         fleet.attempted.add("send")  # from here on, an engine that does not complete may hold partial weights
-        run.sent = await send_with_digests(source, selector=selector, on_bucket=on_bucket, plan=layouts.plan)
+        run.sent = await source.send(selector=selector, on_bucket=on_bucket, engine_digests=layouts.plan)
     with clock.phase("finalize"):
         await fleet.step("end", lambda e: e.end_weight_update(timeout_s=t))
         await fleet.step("version", lambda e: e.update_weight_version(version, timeout_s=t))

@@ -6,25 +6,19 @@ actors, and by test doubles over a pipe.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
-__all__ = [
-    "SendResult",
-    "StageResult",
-    "WeightSource",
-    "accepts_engine_digests",
-    "send_with_digests",
-    "stage_with_digests",
-    "stages_engine_digests",
-]
+if TYPE_CHECKING:
+    from miles_sync.sync.lora import AdapterPayload
+
+__all__ = ["SendResult", "StageResult", "WeightSource"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,25 +55,47 @@ class StageResult:
     digest_s: float = 0.0
 
 
-@runtime_checkable
 class WeightSource(Protocol):
-    """The trainer side as the session and controller see it: a local Sender, or a proxy for trainer actors in
-    other processes.
+    """The trainer side as the session and controller see it: a local Sender, a pipeline of stage sources, or a proxy
+    for trainer actors in other processes. Every member the controller, session and pipeline call is declared here;
+    a source subclasses this Protocol and inherits the defaults of the members it does not need, so nothing probes
+    a source for a method.
 
-    `open` (re)builds the transport to `engines` (in membership order) and, for transports with an update group,
-    joins `membership` while the engines do; it returns the membership bound to its port (None without a group).
-    `send` exports and sends the current weights once, calling `on_bucket` after each acknowledged bucket; given an
-    `engine_digests` plan, it also predicts the engine-parameter digests of every layout in it
-    (`SendResult.engine_checksums`). A source without that parameter is still a WeightSource: its engines are
-    verified by replica agreement instead (`accepts_engine_digests`).
+    Required: `exported_names`; `open` (re)builds the transport to `engines` (in membership order) and, for
+    transports with an update group, joins `membership` while the engines do, returning the membership bound to
+    its port (None without a group); `send` exports and sends the current weights once, calling `on_bucket` after
+    each acknowledged bucket, and given an `engine_digests` plan also predicts the engine-parameter digests of
+    every layout it can (`SendResult.engine_checksums`; a layout it leaves out is verified by replica agreement);
     `close` tears the transport down (idempotent). Any failure raises.
 
-    Staged export (optional: `Sender` and the Ray proxy have it): `stage()` exports and packs every bucket of the
-    current weights ahead of the session, while the engines still generate; the next `send` then only transfers
-    them. It holds the whole packed model in memory until that send. A `stage(selector=..., engine_digests=...)`
-    (`stages_engine_digests`) also predicts the plan's engine digests then, and the next send with the same
-    selector and plan returns those instead of hashing again.
+    Optional, with defaults: `can_stage` / `stage` (staged export: pack every bucket ahead of the session while the
+    engines still generate; the next `send` only transfers them; with a selector and a plan it also predicts the
+    engine digests then); `connect` (reach the trainer ranks once, before the first sync; returns what the caller
+    reports as its trainer ranks); `check_engines` (refuse engines the transport cannot reach, at connect);
+    `num_stages` / `memberships` (pipeline stages: one update group each); `syncs_adapters` / `adapter_payload` /
+    `release_adapter` (LoRA syncs, miles_sync.sync.lora).
     """
+
+    # Whether `stage` packs ahead; the default `stage` refuses.
+    can_stage: bool = False
+    # Whether `adapter_payload` answers a LoRA adapter; the default refuses.
+    syncs_adapters: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        """Export sources, one per pipeline stage, each with an update group of its own."""
+        return 1
+
+    @property
+    def memberships(self) -> tuple[GroupMembership | None, ...]:
+        """Each stage's bound update group after `open`; empty for a source of one stage."""
+        return ()
+
+    async def connect(self) -> tuple[Any, ...]:
+        return ()
+
+    def check_engines(self, engines: Sequence[EngineEndpoint]) -> None:
+        return None
 
     async def exported_names(self) -> tuple[str, ...]: ...
 
@@ -95,48 +111,15 @@ class WeightSource(Protocol):
         engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult: ...
 
+    async def stage(
+        self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
+    ) -> StageResult:
+        raise NotImplementedError(f"{type(self).__name__} cannot pack ahead (can_stage is False)")
+
     async def close(self) -> None: ...
 
+    async def adapter_payload(self, *, tp_sizes: Sequence[int]) -> AdapterPayload:
+        raise NotImplementedError(f"{type(self).__name__} syncs no LoRA adapters (syncs_adapters is False)")
 
-def accepts_engine_digests(source: WeightSource) -> bool:
-    """Whether `source.send` takes an `engine_digests` plan (sources written before it do not)."""
-    return _takes_engine_digests(getattr(source, "send", None))
-
-
-def stages_engine_digests(source: WeightSource) -> bool:
-    """Whether `source.stage` takes a selector and an `engine_digests` plan (predicts the digests ahead)."""
-    return _takes_engine_digests(getattr(source, "stage", None))
-
-
-async def send_with_digests(
-    source: WeightSource,
-    *,
-    selector: Selector,
-    on_bucket: Callable[[BucketProgress], None] | None,
-    plan: EngineDigestPlan | None,
-) -> SendResult:
-    """`source.send`, with the engine-digest plan where it takes one. A source written before engine digests (a
-    pipeline's own WeightSource) takes none: the engines it would have predicted fall back to the replica check."""
-    if plan and accepts_engine_digests(source):
-        return await source.send(selector=selector, on_bucket=on_bucket, engine_digests=plan)
-    return await source.send(selector=selector, on_bucket=on_bucket)
-
-
-async def stage_with_digests(
-    source: WeightSource, *, selector: Selector | None, plan: EngineDigestPlan | None
-) -> StageResult:
-    """`source.stage()` (the source must have one), with the selector and engine-digest plan where it takes them:
-    it then predicts the engine digests at stage time, out of the pause."""
-    if plan and stages_engine_digests(source):
-        return await source.stage(selector=selector, engine_digests=plan)
-    return await source.stage()
-
-
-def _takes_engine_digests(method: Callable[..., object] | None) -> bool:
-    if method is None:
-        return False
-    try:
-        parameters = inspect.signature(method).parameters
-    except (TypeError, ValueError):  # no signature to read: do not pass what it may not take
-        return False
-    return "engine_digests" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    async def release_adapter(self) -> None:
+        return None

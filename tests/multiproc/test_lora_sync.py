@@ -28,13 +28,16 @@ from miles_sync.sync.controller import SyncController
 from miles_sync.sync.lora import AdapterPayload, encode_adapter
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.sync.weight_source import WeightSource
 from miles_sync.wire.protocol import PauseMode
 
 PROMPT = (5, 17, 9, 33)
 
 
-class _AdapterSource:
+class _AdapterSource(WeightSource):
     """The trainer side of a LoRA sync as the controller sees it: `adapter_payload` and `release_adapter`."""
+
+    syncs_adapters = True
 
     def __init__(self) -> None:
         self.named: dict[str, torch.Tensor] = {}

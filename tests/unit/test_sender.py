@@ -10,9 +10,11 @@ import threading
 import pytest
 import torch
 
+from miles_sync.export.registry import ConversionMode
 from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.buffers import DoubleBuffer
 from miles_sync.sync.packing import pair_with_plans
+from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.verify import checksum_problems
 from miles_sync.transport.base import (
@@ -30,7 +32,7 @@ from miles_sync.transport.colocated import flattened_metadata
 from miles_sync.transport.distributed import bucket_request
 from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta, layout_from_metadata, pack_bucket
-from miles_sync.wire.protocol import LoadFormat, RankChecksums, Selector
+from miles_sync.wire.protocol import LoadFormat, PauseMode, RankChecksums, Selector
 
 # ---- units -----------------------------------------------------------------------------------------------------
 
@@ -474,22 +476,41 @@ def test_sender_refuses_a_feed_role_that_disagrees_with_its_source_side():
     assert Sender(settings=settings, export=list, names=list, is_source=True, feeds=role).is_source
 
 
-def test_only_sources_that_take_an_engine_digest_plan_are_given_one(recording):
-    from miles_sync.sync.source import ModelSource
-    from miles_sync.sync.weight_source import accepts_engine_digests
+def test_a_source_declares_its_surface_and_inherits_the_defaults():
+    """Nothing probes a source: what it cannot do is declared (can_stage, syncs_adapters), the defaults refuse by
+    name, and the controller refuses a configuration the source cannot serve before anything runs."""
+    from miles_sync.sync.controller import SyncController
+    from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+    from miles_sync.sync.weight_source import WeightSource
 
-    class Older:  # a pipeline's own WeightSource, written before engine digests
-        async def send(self, *, selector, on_bucket=None): ...
+    class Minimal(WeightSource):
+        async def exported_names(self):
+            return ()
 
-    class Forwarding:
-        async def send(self, **kwargs): ...
-
-    class Rank:
-        send = ModelSource.send
-
-    assert not accepts_engine_digests(Older())
-    assert accepts_engine_digests(Forwarding()) and accepts_engine_digests(Rank())
-    assert accepts_engine_digests(make_sender(model_units(1)))
+    source = Minimal()
+    assert not source.can_stage and not source.syncs_adapters
+    assert source.num_stages == 1 and source.memberships == () and asyncio.run(source.connect()) == ()
+    with pytest.raises(NotImplementedError, match="Minimal cannot pack ahead"):
+        asyncio.run(source.stage())
+    with pytest.raises(NotImplementedError, match="Minimal syncs no LoRA adapters"):
+        asyncio.run(source.adapter_payload(tp_sizes=[1]))
+    assert Sender.can_stage
+    inputs = SelectorInputs(
+        mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
+    )
+    common = dict(
+        engine_urls=["http://127.0.0.1:1"],
+        source=source,
+        transport="distributed",
+        selector_inputs=inputs,
+        pause_mode=PauseMode.ABORT,
+        verify=True,
+        timeouts=SessionTimeouts(control_s=1.0, sync_s=1.0),
+    )
+    with pytest.raises(ValueError, match="staged export needs a source that can stage; Minimal cannot"):
+        SyncController(**common, staged=True)
+    with pytest.raises(ValueError, match="LoRA syncs need a source that answers adapters; Minimal does not"):
+        SyncController(**common, lora_name="policy")
 
 
 def test_a_send_without_a_plan_predicts_nothing(recording):
