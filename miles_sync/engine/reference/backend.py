@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from miles_sync.engine.reference.groups import UpdateGroups
-from miles_sync.engine.reference.runner import Runner
+from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.engine.reference.weights_checker import WeightsChecker
 from miles_sync.wire.bucket import BucketEntry, TensorMeta, unpack_bucket
 from miles_sync.wire.payload import decode_payload
@@ -96,7 +96,7 @@ class LocalBackend:
 
     def __init__(
         self,
-        runners: Mapping[Role, Runner],
+        runners: Mapping[Role, StoredRunner],
         *,
         timeout_s: float,
         checksum_names: ChecksumNames = ChecksumNames.HF,
@@ -178,7 +178,7 @@ class LocalBackend:
         named = decode_payload(payloads[0], load_format=load_format)
         return named, [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in named]
 
-    def load(self, runners: Sequence[Runner], staged: list) -> dict[str, int]:
+    def load(self, runners: Sequence[StoredRunner], staged: list) -> dict[str, int]:
         return {runner.role.value: len(runner.load(staged)) for runner in runners}
 
     def discard(self, staged: list) -> None:

@@ -34,7 +34,8 @@ from typing import Any
 
 from miles_sync.engine.reference.backend import AllocationError, EngineDown, LocalBackend, WeightBackend
 from miles_sync.engine.reference.lora import TENSOR_LORA_PATH
-from miles_sync.engine.reference.runner import Runner, dtype_str
+from miles_sync.engine.reference.runner import dtype_str
+from miles_sync.engine.reference.runner_api import ServedRunner
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.settings import FinalizePolicy
 from miles_sync.weights.checksum import sglang_parameter_names
@@ -81,7 +82,7 @@ _MAX_PROBLEMS_SHOWN = 8
 @dataclass(kw_only=True)
 class _Session:
     selector: Selector
-    runners: tuple[Runner, ...]
+    runners: tuple[ServedRunner, ...]
     failures: list[str] = field(default_factory=list)
 
     def has_loaded(self) -> bool:
@@ -99,8 +100,8 @@ class ReferenceEngine:
     def __init__(
         self,
         *,
-        target: Runner,
-        draft: Runner | None,
+        target: ServedRunner,
+        draft: ServedRunner | None,
         draft_kind: DraftKind,
         scheduler: Scheduler,
         model_path: str,
@@ -129,7 +130,7 @@ class ReferenceEngine:
             problems.append(f"collective_timeout_s={collective_timeout_s} must be > 0")
         if problems:
             raise ValueError("invalid reference engine: " + "; ".join(problems))
-        self._runners: dict[Role, Runner] = {Role.TARGET: target}
+        self._runners: dict[Role, ServedRunner] = {Role.TARGET: target}
         if draft is not None:
             self._runners[Role.DRAFT] = draft
         self._draft_kind = draft_kind
@@ -187,7 +188,7 @@ class ReferenceEngine:
     def is_paused(self) -> bool:
         return self._scheduler.is_paused
 
-    def runner(self, role: Role) -> Runner | None:
+    def runner(self, role: Role) -> ServedRunner | None:
         """The runner playing `role`, or None (no draft runner for draft kinds none and ngram)."""
         return self._runners.get(Role(role))
 
@@ -271,7 +272,7 @@ class ReferenceEngine:
                 )
         return problems
 
-    def _select(self, selector: Selector) -> tuple[Runner, ...]:
+    def _select(self, selector: Selector) -> tuple[ServedRunner, ...]:
         # A server without selector support puts every runner in every session, whatever the request says.
         roles = selector_roles(Selector.ALL if self._policy is FinalizePolicy.NO_SELECTOR else selector)
         runners = tuple(
@@ -567,5 +568,5 @@ def _meta(entry: BucketEntry) -> TensorMeta:
     return TensorMeta(name=entry.name, shape=entry.shape, dtype=entry.dtype)
 
 
-def _describe(runners: Sequence[Runner]) -> str:
+def _describe(runners: Sequence[ServedRunner]) -> str:
     return " and ".join(f"the {runner.role.value} runner" for runner in runners)

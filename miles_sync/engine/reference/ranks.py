@@ -33,6 +33,7 @@ import torch
 from miles_sync.engine.reference.backend import EngineDown, join_rank_problems
 from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.rank_worker import CHANNELS, RankArgs, rank_main
+from miles_sync.engine.reference.runner_api import ServedRunner
 from miles_sync.transport.group import start_store_server
 from miles_sync.weights.checksum import sglang_parameter_names
 from miles_sync.wire.bucket import BucketEntry, TensorMeta
@@ -257,7 +258,7 @@ class RankModel:
         return out
 
 
-class RankRunnerView:
+class RankRunnerView(ServedRunner):
     """One role across every rank, as the engine and the scheduler see it (the front keeps no weights)."""
 
     def __init__(

@@ -47,6 +47,7 @@ from miles_sync.engine.reference.models import (
     read_config,
     read_safetensors,
 )
+from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.weights.fp8 import (
     FP8_DTYPE,
     SCALE_DTYPE,
@@ -78,12 +79,14 @@ DRAFT_KINDS = ("none", "mtp", "standalone", "ngram")
 _NUM_MISSING_SHOWN = 5  # how many missing checkpoint tensors an error message lists
 
 
-class Runner:
+class Runner(StoredRunner):
     """A served model of one role with HF-named weight storage.
 
     `model` is a `CausalLM` (target or standalone draft) or an `MTPHead` (MTP draft; it owns only its
     `model.layers.N.*` names and reads the target's embedding and lm_head, which the target runner owns).
     """
+
+    holds_shards = False  # HF-named storage, whole tensors
 
     def __init__(
         self,

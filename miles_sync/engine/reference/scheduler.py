@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from miles_sync.engine.reference.models import TextCodec
-from miles_sync.engine.reference.runner import Runner
+from miles_sync.engine.reference.runner_api import ServedRunner
 from miles_sync.engine.reference.sampling import choose_token, is_greedy, logprob_problems, token_logprob
 from miles_sync.engine.reference.speculative import DraftInput, Proposer, accept_tokens, create_proposer, pad_right
 from miles_sync.wire.protocol import (
@@ -106,8 +106,8 @@ class Scheduler:
     def __init__(
         self,
         *,
-        target: Runner,
-        draft: Runner | None = None,
+        target: ServedRunner,
+        draft: ServedRunner | None = None,
         draft_kind: str = "none",
         spec_steps: int = 3,
         max_running: int = 64,

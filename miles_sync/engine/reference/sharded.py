@@ -29,6 +29,7 @@ from miles_sync.engine.reference.models import (
 )
 from miles_sync.engine.reference.parallel_models import ShardedCausalLM, ShardedMTPHead
 from miles_sync.engine.reference.runner import DRAFT_KINDS, dtype_str, populate
+from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.weights.checksum import sglang_parameter_names
 from miles_sync.weights.engine_layout import (
     TPShape,
@@ -58,13 +59,16 @@ class _Part:
     is_whole: bool  # the engine parameter holds this tensor alone
 
 
-class ShardedRunner:
+class ShardedRunner(StoredRunner):
     """One served model of one role on one TP rank, with the engine's fused parameters as its storage.
 
-    Same duck interface as `runner.Runner` for the engine; names in `load`/`finalize`/`owned_names`/`expected` are
+    A `StoredRunner` as `runner.Runner` is; names in `load`/`finalize`/`owned_names`/`expected` are
     FULL HF names, names in `stored_tensors`/`shuffled_names`/`overwrite` are engine names. All writes happen under
     `weights_lock`, which the caller holds during every forward step.
     """
+
+    holds_shards = True  # the engine's own fused parameters, this rank's shard
+    quantization = None  # block FP8 is served at TP=1 only
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from miles_sync.engine.reference.runner import Runner
+from miles_sync.engine.reference.runner_api import ServedRunner
 
 __all__ = [
     "PROPOSER_KINDS",
@@ -90,7 +90,7 @@ class MTPProposer:
 
     needs_target_hidden = True
 
-    def __init__(self, *, draft: Runner, target: Runner, num_steps: int) -> None:
+    def __init__(self, *, draft: ServedRunner, target: ServedRunner, num_steps: int) -> None:
         if not draft.is_mtp or target.is_mtp:
             raise ValueError(f"MTP drafting needs an MTP draft runner and a causal LM target; got {draft}, {target}")
         self.num_steps = num_steps
@@ -131,7 +131,7 @@ class StandaloneProposer:
 
     needs_target_hidden = False
 
-    def __init__(self, *, draft: Runner, target: Runner, num_steps: int) -> None:
+    def __init__(self, *, draft: ServedRunner, target: ServedRunner, num_steps: int) -> None:
         if draft.is_mtp:
             raise ValueError(f"standalone drafting needs a causal LM draft runner; got {draft}")
         draft_vocab, target_vocab = draft.model.config.vocab_size, target.model.config.vocab_size
@@ -180,7 +180,7 @@ class NgramProposer:
         return []
 
 
-def create_proposer(kind: str, *, target: Runner, draft: Runner | None, num_steps: int) -> Proposer:
+def create_proposer(kind: str, *, target: ServedRunner, draft: ServedRunner | None, num_steps: int) -> Proposer:
     """The proposer for a draft kind ("mtp", "standalone", "ngram"); mtp and standalone need a draft runner."""
     kind = str(getattr(kind, "value", kind))
     if kind not in PROPOSER_KINDS:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from miles_sync.engine.reference.runner import Runner
+from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.weights.checksum import (
     engine_digest,
     role_checksums,
@@ -66,7 +66,7 @@ class WeightsChecker:
 
     def __init__(
         self,
-        runners: Mapping[Role, Runner],
+        runners: Mapping[Role, StoredRunner],
         *,
         checksum_names: ChecksumNames = ChecksumNames.HF,
         draft_role: str = Role.DRAFT.value,
@@ -75,7 +75,7 @@ class WeightsChecker:
     ) -> None:
         if role_kind(draft_role) is not Role.DRAFT:
             raise ValueError(f"draft_role {draft_role!r} is not a draft role ('draft' or 'draft_step_<i>')")
-        sharded = [role.value for role, runner in runners.items() if _holds_shards(runner)]
+        sharded = [role.value for role, runner in runners.items() if runner.holds_shards]
         if sharded and ChecksumNames(checksum_names) is not ChecksumNames.ENGINE:
             raise ValueError(f"the {', '.join(sharded)} runner(s) hold TP shards: only engine checksum names apply")
         self._runners = runners
@@ -104,7 +104,7 @@ class WeightsChecker:
             return self._compare(roles, skip, allow_quant_error=request.allow_quant_error)
         return self._reset(roles, skip)
 
-    def _selected(self, roles: set[Role], skip: tuple[str, ...]) -> Iterator[tuple[Runner, _Parts]]:
+    def _selected(self, roles: set[Role], skip: tuple[str, ...]) -> Iterator[tuple[StoredRunner, _Parts]]:
         """(runner, {name in this mode: HF parts}) per selected runner, target first, skipped names left out."""
         for role in (Role.TARGET, Role.DRAFT):
             runner = self._runners.get(role)
@@ -126,7 +126,7 @@ class WeightsChecker:
         for runner, selected in self._selected(roles, skip):
             role_name = self._role_names[runner.role]
             with runner.weights_lock:
-                if self._names is ChecksumNames.ENGINE and getattr(runner, "quantization", None) is not None:
+                if self._names is ChecksumNames.ENGINE and runner.quantization is not None:
                     answered = _fp8_engine_digests(runner, selected)
                 elif self._names is ChecksumNames.ENGINE:
                     stored = runner.stored_tensors()
@@ -198,22 +198,17 @@ class WeightsChecker:
         return WeightsCheckerResult(success=True, message=f"reset {num_reset} tensor(s) to random values")
 
 
-def _holds_shards(runner: Runner) -> bool:
-    """A `sharded.ShardedRunner` (duck-typed: it stores the engine's own fused parameters, keyed by engine name)."""
-    return hasattr(runner, "engine_parts")
-
-
-def _checker_parts(runner: Runner, names: ChecksumNames) -> _Parts:
+def _checker_parts(runner: StoredRunner, names: ChecksumNames) -> _Parts:
     """{name the checker answers: the stored tensors it covers}. A sharded runner stores the engine's own fused
     parameters already; a TP=1 runner stores HF tensors, fused here for engine names."""
-    if _holds_shards(runner):
+    if runner.holds_shards:
         return {name: (name,) for name in runner.stored_tensors()}
     if names is ChecksumNames.ENGINE:
         return sglang_parameter_names(runner.owned_names())
     return {name: (name,) for name in runner.owned_names()}
 
 
-def _fp8_engine_digests(runner: Runner, selected: _Parts) -> dict[str, str]:
+def _fp8_engine_digests(runner: StoredRunner, selected: _Parts) -> dict[str, str]:
     """Engine-name digests of a block-FP8 runner (SGLang's checker): a parameter whose parts all have scales is
     hashed as its bfloat16 dequantization, the scales' own entries are left out, everything else as stored."""
     stored = runner.stored_tensors()
@@ -238,7 +233,7 @@ def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def _logical(runner: Runner, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _logical(runner: StoredRunner, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Stored tensors with the layout undone; bytes loaded in an open session are not shuffled yet."""
     stored = runner.stored_tensors()
     shuffled = runner.shuffled_names() - runner.loaded_in_session()
