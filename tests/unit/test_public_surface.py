@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from enum import Enum
+from pathlib import Path
 
 from miles_sync import config
 from miles_sync.engine import kinds, settings
@@ -374,6 +375,44 @@ CONFIG_FIELDS = {
     "output_dir": None,
     "control_report": None,
 }
+
+
+# The front door (miles_sync.api): every name the README documents, each the object of the module that defines it.
+API_NAMES = {
+    "CanarySettings": "miles_sync.sync.draft_canary",
+    "ControllerStatus": "miles_sync.sync.controller",
+    "EngineClient": "miles_sync.engine.client",
+    "EngineLauncher": "miles_sync.engine.process",
+    "EngineResult": "miles_sync.sync.report",
+    "GroupSettings": "miles_sync.sync.controller",
+    "MilesSyncConfig": "miles_sync.config",
+    "ModelConfig": "miles_sync.config",
+    "PipelineSource": "miles_sync.sync.pipeline",
+    "Selector": "miles_sync.wire.protocol",
+    "SelectorInputs": "miles_sync.sync.session",
+    "SessionTimeouts": "miles_sync.sync.session",
+    "SyncConfig": "miles_sync.config",
+    "SyncController": "miles_sync.sync.controller",
+    "SyncError": "miles_sync.sync.controller",
+    "SyncReport": "miles_sync.sync.report",
+    "WeightSource": "miles_sync.sync.weight_source",
+    "attach_model": "miles_sync.sync.attach",
+    "load_config": "miles_sync.config",
+    "weight_update_selector": "miles_sync.sync.selector",
+}
+
+
+def test_the_front_door_names_what_the_readme_documents_and_nothing_else():
+    import importlib
+
+    from miles_sync import api
+
+    assert sorted(api.__all__) == sorted(API_NAMES) and len(api.__all__) <= 20
+    for name, module in API_NAMES.items():
+        assert getattr(api, name) is getattr(importlib.import_module(module), name), name
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    undocumented = [name for name in API_NAMES if f"`{name}`" not in readme]
+    assert not undocumented, f"front-door names the README does not mention: {undocumented}"
 
 
 def test_module_all():
