@@ -16,9 +16,9 @@ from typing import Any
 import ray
 
 from miles_sync.env import node_of_url
+from miles_sync.sync.adapter import AdapterPayload
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT, attached_source
 from miles_sync.sync.engine_digests import EngineDigestPlan
-from miles_sync.sync.lora import AdapterPayload
 from miles_sync.sync.pipeline import PipelineSource
 from miles_sync.sync.report import BucketProgress, InIndexOrder
 from miles_sync.sync.sender import SenderSettings

@@ -30,7 +30,7 @@ from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.engine.settings import LoraSettings
 from miles_sync.env import read_environment
-from miles_sync.sync.lora import AdapterPayload, encode_adapter
+from miles_sync.sync.adapter import AdapterPayload, encode_adapter
 from miles_sync.sync.report import SyncReport
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

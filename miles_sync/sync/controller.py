@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
+from miles_sync.sync.adapter import AdapterPayload
 from miles_sync.sync.draft_canary import (
     CanaryMode,
     CanaryReading,
@@ -41,12 +42,18 @@ from miles_sync.sync.draft_canary import (
 from miles_sync.sync.draft_canary import next_baselines as next_canary_baselines
 from miles_sync.sync.draft_guard import DraftDigests, draft_digests
 from miles_sync.sync.lease import LeaseLostError, SyncLease
-from miles_sync.sync.lora import AdapterPayload, adapter_name, run_lora_sync_session
+from miles_sync.sync.lora import adapter_name, run_lora_sync_session
 from miles_sync.sync.pipeline import stage_group_names
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.weight_source import WeightSource
-from miles_sync.transport.base import EngineEndpoint, GroupMembership, plan_membership, transport_spec
+from miles_sync.transport.base import (
+    EngineEndpoint,
+    GroupMembership,
+    TransportSpec,
+    plan_membership,
+    transport_spec,
+)
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.protocol import (
     DEFAULT_GROUP_NAME,
@@ -56,6 +63,7 @@ from miles_sync.wire.protocol import (
     WeightsCheckerAction,
     WeightsCheckerRequest,
 )
+from miles_sync.wire.text import raise_if
 
 __all__ = ["ControllerStatus", "GroupSettings", "SyncController", "SyncError"]
 
@@ -128,24 +136,14 @@ class SyncController:
         """`lora_name`: sync LoRA adapters under this engine adapter name (miles_sync.sync.lora: the source's
         `adapter_payload`, never the base); None: full syncs. `draft_canary`: the acceptance canary after every
         committed sync (miles_sync.sync.draft_canary); None: none."""
-        problems = []
-        duplicates = sorted({u for u in engine_urls if list(engine_urls).count(u) > 1})
-        if not engine_urls:
-            problems.append("engine_urls is empty")
-        if duplicates:
-            problems.append(f"engine_urls repeat {duplicates}")
-        if staged and not source.can_stage:
-            problems.append(f"staged export needs a source that can stage; {type(source).__name__} cannot")
-        if lora_name is not None and not source.syncs_adapters:
-            problems.append(f"LoRA syncs need a source that answers adapters; {type(source).__name__} does not")
-        if not lease_wait_s > 0:
-            problems.append(f"lease_wait_s={lease_wait_s} must be positive")
-        try:
-            self._spec = transport_spec(transport)
-        except ValueError as exc:
-            problems.append(str(exc))
-        if problems:
-            raise ValueError("invalid SyncController: " + "; ".join(problems))
+        self._spec = _checked_spec(
+            engine_urls,
+            source=source,
+            transport=transport,
+            staged=staged,
+            lora_name=lora_name,
+            lease_wait_s=lease_wait_s,
+        )
         self._urls = [u.rstrip("/") for u in engine_urls]
         self._source = source
         self._transport = transport
@@ -164,6 +162,12 @@ class SyncController:
         self._lease = SyncLease(ttl_s=timeouts.sync_s) if lease is None else lease
         self._lease_wait_s = lease_wait_s
         self._show_progress = show_progress
+        self._canary = CanarySettings() if draft_canary is None else draft_canary
+        self._lora_name = lora_name
+        self._start_empty()
+
+    def _start_empty(self) -> None:
+        """The state before `connect`: no engine clients or memories of them, version 0, no update group."""
         self._clients: dict[str, EngineClient] = {}
         self._tp_sizes: dict[str, int] = {}
         self._stale: set[str] = set()
@@ -174,7 +178,6 @@ class SyncController:
         # Each engine's draft digests (miles_sync.sync.draft_guard), read at connect and after every verified sync:
         # a session that leaves the draft out fails on an engine whose draft no longer answers them.
         self._draft_baselines: dict[str, DraftDigests] = {}
-        self._canary = CanarySettings() if draft_canary is None else draft_canary
         self._canary_baselines: dict[str, float] = {}  # each engine's last passing canary accept length
         self._version = 0  # last committed
         self._last_attempt = 0  # versions are never reused, not even those of failed syncs
@@ -189,7 +192,6 @@ class SyncController:
         # The engines' side of these groups (one per pipeline stage) may exist until they are destroyed.
         self._group_names: tuple[str, ...] = ()
         self._trainer_ranks: tuple[Any, ...] = ()
-        self._lora_name = lora_name
         self._lora_served: dict[str, str] = {}  # engine URL -> the adapter name it serves (the last committed)
 
     # ---- state ----------------------------------------------------------------------------------------------
@@ -597,3 +599,34 @@ class SyncController:
             ),
             error=error,
         )
+
+
+def _checked_spec(
+    engine_urls: Sequence[str],
+    *,
+    source: WeightSource,
+    transport: str,
+    staged: bool,
+    lora_name: str | None,
+    lease_wait_s: float,
+) -> TransportSpec:
+    """The transport's spec; ValueError naming every problem of the controller's arguments at once."""
+    problems = []
+    duplicates = sorted({u for u in engine_urls if list(engine_urls).count(u) > 1})
+    if not engine_urls:
+        problems.append("engine_urls is empty")
+    if duplicates:
+        problems.append(f"engine_urls repeat {duplicates}")
+    if staged and not source.can_stage:
+        problems.append(f"staged export needs a source that can stage; {type(source).__name__} cannot")
+    if lora_name is not None and not source.syncs_adapters:
+        problems.append(f"LoRA syncs need a source that answers adapters; {type(source).__name__} does not")
+    if not lease_wait_s > 0:
+        problems.append(f"lease_wait_s={lease_wait_s} must be positive")
+    spec = None
+    try:
+        spec = transport_spec(transport)
+    except ValueError as exc:
+        problems.append(str(exc))
+    raise_if(problems, what="invalid SyncController")
+    return spec

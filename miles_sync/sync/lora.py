@@ -1,6 +1,6 @@
 """LoRA sync: only the adapter travels, through SGLang's `/load_lora_adapter_from_tensors`; the base never does.
 
-    payload = encode_adapter(named, config_dict=..., tp_sizes={1, 2}, flatten_min_bytes=...)   # trainer's source
+    payload = encode_adapter(named, config_dict=..., tp_sizes={1, 2}, ...)   # trainer's source (sync/adapter.py)
     report = await run_lora_sync_session(engines=..., payload=payload, name="policy", version="3", ...)
 
 The flow of one LoRA sync, read from SGLang 0.5.23's source:
@@ -12,8 +12,8 @@ The flow of one LoRA sync, read from SGLang 0.5.23's source:
 - No begin/end session: SGLang's adapter load is its own scheduler request (tp_worker.load_lora_adapter_from_tensors)
   that never enters a weight-update session, carries no selector and is applied by the target's LoRA manager only;
   an /end_weight_update would run post-load processing on runners that received nothing (with the AITER layout
-  the base, and the frozen draft, would be shuffled again: the bug class of shared/seeds). So a LoRA sync never
-  calls begin/end and touches no base or draft byte.
+  the base, and the frozen draft, would be shuffled again: the frozen-draft bug of the README's seed-bug
+  section). So a LoRA sync never calls begin/end and touches no base or draft byte.
 - SGLang refuses to load a name that is already loaded ("already loaded"), so replacing an adapter in place is
   unload + load, and a failed load would leave no adapter at all. Each version is therefore loaded under its own
   name (`adapter_name`) and the previous one unloaded only after the new one committed: a corrupted transfer,
@@ -22,33 +22,22 @@ The flow of one LoRA sync, read from SGLang 0.5.23's source:
   checks itself before slicing) makes the engine refuse a corrupted transfer.
 - The version is committed only when every engine loaded the adapter and took the version.
 
-Payloads: one per engine TP rank, each the full adapter: a pickled dict {name: tensor} (SGLang's adapter format),
-or, from `flatten_min_bytes` on, one flattened bucket (load_format "flattened_bucket"). CPU tensors travel as
-shared-memory handles: the engines must run on the source's host, and the source keeps the tensors alive until the
-session ends.
+The session runs in the frame every sync kind shares (miles_sync.sync.frame: fleet steps, phase clock, resume in
+`finally`, the stale rule, the report), as an all-or-nothing session in which no step can leave partial weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
-import torch
-
-from miles_sync.sync.report import EngineResult, PhaseTimes, SyncReport
-from miles_sync.sync.session import SessionTimeouts
+from miles_sync.sync.adapter import AdapterPayload
+from miles_sync.sync.frame import FleetSteps, PhaseClock, SessionRun, SessionTimeouts, run_in_frame, session_report
+from miles_sync.sync.report import SyncReport
 from miles_sync.sync.verify import weights_digest
-from miles_sync.weights.checksum import raw_sha256
+from miles_sync.sync.weight_source import SendResult
 from miles_sync.wire.api import EngineAPI
-from miles_sync.wire.bucket import pack_bucket
-from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, encode_named_tensor_dict
 from miles_sync.wire.protocol import (
-    LoadFormat,
-    LoadLoRAAdapterFromTensorsRequest,
     PauseMode,
     Selector,
     UnloadLoRAAdapterRequest,
@@ -56,97 +45,9 @@ from miles_sync.wire.protocol import (
     WeightsCheckerRequest,
 )
 
-__all__ = [
-    "LORA_TRANSPORT",
-    "AdapterPayload",
-    "adapter_name",
-    "adapter_sha256",
-    "encode_adapter",
-    "run_lora_sync_session",
-]
+__all__ = ["LORA_TRANSPORT", "adapter_name", "run_lora_sync_session"]
 
 LORA_TRANSPORT = "lora"  # the report's transport name
-
-
-def adapter_sha256(tensor: torch.Tensor) -> str:
-    """SGLang's adapter checksum: plain SHA-256 hex of the tensor's raw bytes."""
-    return raw_sha256(tensor)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdapterPayload:
-    """One adapter version, encoded for engines of each TP size in `payloads` (tp_size -> one payload per rank).
-    Crosses the Ray boundary from the trainer's source rank to the controller; the tensors it names stay alive in
-    the source until it is told the session ended."""
-
-    config_dict: dict[str, Any]
-    load_format: LoadFormat | None
-    payloads: dict[int, tuple[str, ...]]
-    checksums: dict[str, str]
-    num_bytes: int
-    num_tensors: int
-
-    def request(self, *, name: str, tp_size: int) -> LoadLoRAAdapterFromTensorsRequest:
-        if tp_size not in self.payloads:
-            raise ValueError(f"the adapter was encoded for TP sizes {sorted(self.payloads)}, not {tp_size}")
-        return LoadLoRAAdapterFromTensorsRequest(
-            lora_name=name,
-            config_dict=self.config_dict,
-            serialized_named_tensors=self.payloads[tp_size],
-            load_format=self.load_format,
-            expected_checksums=self.checksums,
-        )
-
-
-def encode_adapter(
-    named: Mapping[str, torch.Tensor],
-    *,
-    config_dict: Mapping[str, Any],
-    tp_sizes: Iterable[int],
-    flatten_min_bytes: int,
-) -> tuple[AdapterPayload, list[torch.Tensor]]:
-    """The payload of `named` (PEFT names -> full tensors) for engines of each TP size, and the tensors the caller
-    must keep alive until every engine answered (the payloads are handles to their memory)."""
-    if not named:
-        raise ValueError("the adapter has no tensors: nothing would be sent")
-    pairs = [(n, t.detach().contiguous()) for n, t in named.items()]
-    num_bytes = sum(t.numel() * t.element_size() for _, t in pairs)
-    checksums = {n: adapter_sha256(t) for n, t in pairs}
-    is_flat = num_bytes >= flatten_min_bytes
-    if is_flat:
-        bucket = pack_bucket(pairs)
-        metadata = [
-            FlattenedTensorMetadata(
-                name=e.name, shape=tuple(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.num_bytes
-            )
-            for e in bucket.entries
-        ]
-        kept = [bucket.buffer]
-
-        def one() -> str:
-            return encode_flattened_bucket(buffer=bucket.buffer, metadata=metadata)
-    else:
-        kept = [t for _, t in pairs]
-
-        def one() -> str:
-            return encode_named_tensor_dict(pairs)
-
-    payloads = {tp: tuple(one() for _ in range(tp)) for tp in sorted(set(tp_sizes))}
-    payload = AdapterPayload(
-        config_dict=dict(config_dict),
-        load_format=LoadFormat.FLATTENED_BUCKET if is_flat else None,
-        payloads=payloads,
-        checksums=checksums,
-        num_bytes=num_bytes,
-        num_tensors=len(pairs),
-    )
-    return payload, kept
-
-
-@dataclass(kw_only=True)
-class _EngineState:
-    done: set[str] = field(default_factory=set)
-    message: str = ""
 
 
 def adapter_name(name: str, version: str) -> str:
@@ -178,147 +79,110 @@ async def run_lora_sync_session(
     name is unloaded wherever it did load)."""
     previous = {} if previous is None else dict(previous)
     new_name = adapter_name(name, version)
-    states = {e.url: _EngineState() for e in engines}
-    phases: dict[str, float] = {}
-    sent: AdapterPayload | None = None
-    error: str | None = None
-    warnings: list[str] = []
-    changed: list[str] = []
-    start = time.perf_counter()
-    t = timeouts.control_s
+    last_step = "base-after" if verify else "version"
+    # All or nothing: unless every engine took the new adapter it is unloaded everywhere. No step of a LoRA sync
+    # writes base or draft weights, so none leaves partial weights; an engine whose base changed anyway is marked.
+    fleet = FleetSteps(
+        engines, timeout_s=timeouts.control_s, last_step=last_step, held=held, partial_from=None, all_or_nothing=True
+    )
+    clock, run = PhaseClock(), SessionRun()
+    flow = _LoraFlow(fleet, clock=clock, run=run, payload=payload, tp_sizes=tp_sizes, version=version)
 
-    async def step(what: str, call: Callable[[EngineAPI], Awaitable[object]], only=None) -> None:
-        chosen = [e for e in engines if only is None or e.url in only]
-        results = await asyncio.gather(*(asyncio.wait_for(call(e), t) for e in chosen), return_exceptions=True)
-        failures = []
-        for engine, result in zip(chosen, results):
-            if isinstance(result, BaseException):
-                message = str(result) or f"{type(result).__name__} (timed out after {t} s)"
-                states[engine.url].message = states[engine.url].message or f"{what}: {message}"
-                failures.append(f"{engine.url}: {message}")
-            else:
-                states[engine.url].done.add(what)
-        if failures:
-            raise RuntimeError(f"{what} failed on {len(failures)} of {len(chosen)} engine(s): " + "; ".join(failures))
+    async def settle() -> None:
+        # Committed: the previous adapters go. Failed: the new one goes wherever it loaded; the previous one serves.
+        loaded = {url: new_name for url, state in fleet.state.items() if "load" in state.done}
+        with clock.phase("finalize"):
+            run.warnings += await _unload(fleet, previous if fleet.is_complete else loaded)
 
-    checksum = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.ALL)
-    digests: dict[str, dict[str, str]] = {"base-before": {}, "base-after": {}}
+    await run_in_frame(
+        fleet,
+        flow=lambda: flow.run(pause_mode=pause_mode, name=new_name, verify=verify),
+        run=run,
+        clock=clock,
+        sync_s=timeouts.sync_s,
+        pause_mode=pause_mode,
+        settle=settle,
+    )
+    return session_report(
+        fleet, run, clock, version=version, previous_version=previous_version, transport=LORA_TRANSPORT, is_checked=True
+    )
 
-    async def read_digests(what: str) -> None:
-        async def read(engine: EngineAPI) -> None:
-            result = await engine.weights_checker(checksum, timeout_s=t)
-            digests[what][engine.url] = weights_digest(result.ranks, selector=Selector.ALL)
 
-        with _timed(phases, "verify"):
-            await step(what, read)
+class _LoraFlow:
+    """The steps of one LoRA sync inside the frame (module docstring)."""
 
-    async def run() -> None:
-        nonlocal sent
-        with _timed(phases, "pause"):
-            await step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
+    def __init__(
+        self,
+        fleet: FleetSteps,
+        *,
+        clock: PhaseClock,
+        run: SessionRun,
+        payload: Callable[[], Awaitable[AdapterPayload]],
+        tp_sizes: Mapping[str, int],
+        version: str,
+    ) -> None:
+        self._fleet, self._clock, self._run = fleet, clock, run
+        self._payload, self._tp_sizes, self._version = payload, tp_sizes, version
+
+    async def run(self, *, pause_mode: PauseMode, name: str, verify: bool) -> None:
+        fleet, clock, t = self._fleet, self._clock, self._fleet.timeout_s
+        with clock.phase("pause"):
+            await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
             if pause_mode is not PauseMode.IN_PLACE:
-                await step("flush", lambda e: e.flush_cache(timeout_s=t))
+                await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
+        before = await self._base_digests("base-before") if verify else {}
+        with clock.phase("export"):
+            sent = await self._payload()
+        self._run.sent = SendResult(
+            num_bytes=sent.num_bytes,
+            num_buckets=1,
+            num_tensors=sent.num_tensors,
+            checksums=dict(sent.checksums),
+            export_s=clock.seconds["export"],
+            pack_s=0.0,
+            send_s=0.0,
+        )
+        with clock.phase("send"):
+            requests = {url: sent.request(name=name, tp_size=tp) for url, tp in self._tp_sizes.items()}
+            await fleet.step("load", lambda e: e.load_lora_adapter_from_tensors(requests[e.url], timeout_s=t))
+        for state in fleet.state.values():  # the engine's own expected_checksums check passed on each
+            state.checks.append("engine-checksums")
+            state.num_verified = sent.num_tensors
+        with clock.phase("finalize"):
+            await fleet.step("version", lambda e: e.update_weight_version(self._version, timeout_s=t))
         if verify:
-            await read_digests("base-before")
-        with _timed(phases, "export"):
-            sent = await payload()
-        with _timed(phases, "send"):
-            requests = {url: sent.request(name=new_name, tp_size=tp) for url, tp in tp_sizes.items()}
-            await step("load", lambda e: e.load_lora_adapter_from_tensors(requests[e.url], timeout_s=t))
-        with _timed(phases, "finalize"):
-            await step("version", lambda e: e.update_weight_version(version, timeout_s=t))
-        if verify:
-            await read_digests("base-after")
-            before, after = digests["base-before"], digests["base-after"]
-            changed.extend(url for url in after if after[url] != before.get(url))
+            after = await self._base_digests("base-after")
+            changed = [url for url in after if after[url] != before.get(url)]
             for url in changed:
-                states[url].message = "verify: its base or draft weights changed during a LoRA sync"
+                fleet.mark_stale(url, "its base or draft weights changed during a LoRA sync")
             if changed:
                 raise RuntimeError(f"a LoRA sync changed the base or draft weights of {changed}")
+            for state in fleet.state.values():
+                state.checks.append("base-unchanged")
 
-    try:
-        await asyncio.wait_for(run(), timeout=timeouts.sync_s)
-    except Exception as exc:
-        error = str(exc) or f"{type(exc).__name__}: the LoRA sync did not finish within {timeouts.sync_s} s"
-    committed = error is None
-    # Committed: the previous adapters go. Failed: the new one goes wherever it loaded; the previous one serves on.
-    leaving = previous if committed else {s: new_name for s, state in states.items() if "load" in state.done}
-    with _timed(phases, "finalize"):
-        results = await asyncio.gather(
-            *(
-                asyncio.wait_for(
-                    e.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=leaving[e.url]), timeout_s=t), t
-                )
-                for e in engines
-                if e.url in leaving
-            ),
-            return_exceptions=True,
-        )
-        gone = [e.url for e in engines if e.url in leaving]
-        warnings += [
-            f"{url}: unloading {leaving[url]!r} failed: {r}"
-            for url, r in zip(gone, results)
-            if isinstance(r, BaseException)
-        ]
+    async def _base_digests(self, what: str) -> dict[str, str]:
+        """Every engine's base and draft checksums (weights checker, selector all), as one digest each."""
+        request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.ALL)
+        with self._clock.phase("verify"):
+            results = await self._fleet.step(
+                what, lambda e: e.weights_checker(request, timeout_s=self._fleet.timeout_s)
+            )
+        return {e.url: weights_digest(r.ranks, selector=Selector.ALL) for e, r in zip(self._fleet.engines, results)}
 
-    def is_stale(url: str) -> bool:
-        # Its base or draft changed (it must not serve), or it was held and this sync did not complete on it.
-        return url in changed or (url in held and not committed)
 
-    with _timed(phases, "resume"):
-        serving = {e.url for e in engines if not is_stale(e.url)}
-        with contextlib.suppress(RuntimeError):
-            await step("resume", lambda e: e.continue_generation(timeout_s=t), only=serving)
-    engine_results = tuple(
-        EngineResult(
-            url=e.url,
-            success=committed,
-            is_stale=is_stale(e.url),
-            num_verified_tensors=sent.num_tensors if sent is not None and "load" in states[e.url].done else 0,
-            weight_version=version if "version" in states[e.url].done else None,
-            message=states[e.url].message,
-            verification=_verification(states[e.url].done, verify=verify) if committed else "",
-        )
-        for e in engines
-    )
-    return SyncReport(
-        version=version,
-        previous_version=previous_version,
-        committed=committed,
-        selector=None,
-        transport=LORA_TRANSPORT,
-        num_bytes=0 if sent is None else sent.num_bytes,
-        num_buckets=0 if sent is None else 1,
-        num_tensors=0 if sent is None else sent.num_tensors,
-        phases=PhaseTimes(
-            pause_s=phases.get("pause", 0.0),
-            export_s=phases.get("export", 0.0),
-            send_s=phases.get("send", 0.0),
-            finalize_s=phases.get("finalize", 0.0),
-            verify_s=phases.get("verify", 0.0),
-            resume_s=phases.get("resume", 0.0),
+async def _unload(fleet: FleetSteps, leaving: Mapping[str, str]) -> list[str]:
+    """Unload `leaving` (URL -> adapter name) from those engines; a warning per failure, never raises."""
+    engines = [e for e in fleet.engines if e.url in leaving]
+    t = fleet.timeout_s
+    results = await asyncio.gather(
+        *(
+            asyncio.wait_for(e.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=leaving[e.url]), timeout_s=t), t)
+            for e in engines
         ),
-        total_s=time.perf_counter() - start,
-        engines=engine_results,
-        error=error,
-        checksums={} if sent is None else dict(sent.checksums),
-        verification=_verification({"load", "base-after"}, verify=verify) if committed else "off",
-        warnings=tuple(warnings),
+        return_exceptions=True,
     )
-
-
-def _verification(done: set[str], *, verify: bool) -> str:
-    """engine-checksums: the engine's own expected_checksums check passed; +base-unchanged: its base and draft
-    checksums were the same before and after."""
-    if "load" not in done:
-        return ""
-    return "engine-checksums+base-unchanged" if verify and "base-after" in done else "engine-checksums"
-
-
-@contextlib.contextmanager
-def _timed(phases: dict[str, float], name: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+    return [
+        f"{e.url}: unloading {leaving[e.url]!r} failed: {r}"
+        for e, r in zip(engines, results)
+        if isinstance(r, BaseException)
+    ]

@@ -328,15 +328,7 @@ class Sender(WeightSource):
         try:
             if not self.is_source:
                 await self._follow(loop.run_in_executor(worker, stream.drain))
-                return SendResult(
-                    num_bytes=0,
-                    num_buckets=0,
-                    num_tensors=0,
-                    checksums={},
-                    export_s=stream.export_s,
-                    pack_s=0.0,
-                    send_s=time.perf_counter() - start,
-                )
+                return _nothing_sent(export_s=stream.export_s, start=start)
             digester = (
                 EngineDigester(engine_digests, names=self._names(), selector=selector)
                 if engine_digests and predicted is None
@@ -479,3 +471,16 @@ class _Totals:
                     elapsed_s=time.perf_counter() - start,
                 )
             )
+
+
+def _nothing_sent(*, export_s: float, start: float) -> SendResult:
+    """A non-source rank's result: it ran the export's collectives and sent nothing."""
+    return SendResult(
+        num_bytes=0,
+        num_buckets=0,
+        num_tensors=0,
+        checksums={},
+        export_s=export_s,
+        pack_s=0.0,
+        send_s=time.perf_counter() - start,
+    )

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from miles_sync.env import LOOPBACK_HOST, bind_host
 from miles_sync.export.registry import ConversionMode, build_exporter
 from miles_sync.export.units import ExportedUnit
+from miles_sync.sync.adapter import AdapterPayload, encode_adapter
 from miles_sync.sync.engine_digests import EngineDigestPlan
-from miles_sync.sync.lora import AdapterPayload, encode_adapter
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from miles_sync.sync.adapter import AdapterPayload
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
 from miles_sync.transport.base import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
-
-if TYPE_CHECKING:
-    from miles_sync.sync.lora import AdapterPayload
 
 __all__ = ["SendResult", "StageResult", "WeightSource"]
 

@@ -24,8 +24,8 @@ from test_lora_engine import TARGETS, _adapter, _config, _greedy, _merged
 from transformers import AutoModelForCausalLM
 
 from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.adapter import AdapterPayload, encode_adapter
 from miles_sync.sync.controller import SyncController
-from miles_sync.sync.lora import AdapterPayload, encode_adapter
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.sync.weight_source import WeightSource

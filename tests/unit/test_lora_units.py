@@ -13,7 +13,8 @@ from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.lora import AdapterConfig, checksum_problems, hf_target_modules, tensor_sha256
 from miles_sync.export.lora import peft_adapter_config, peft_names
 from miles_sync.megatron.lora import LoraSpec
-from miles_sync.sync.lora import adapter_name, encode_adapter
+from miles_sync.sync.adapter import encode_adapter
+from miles_sync.sync.lora import adapter_name
 from miles_sync.weights.fp8 import Quantization
 from miles_sync.wire.payload import decode_payload
 from miles_sync.wire.protocol import LoadFormat
