@@ -24,13 +24,9 @@ from miles_sync.sync.report import BucketProgress, InIndexOrder
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.source import RankInfo, RankSendResult
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
-from miles_sync.transport.base import (
-    EngineEndpoint,
-    FeedPlan,
-    GroupMembership,
-    feed_node_problems,
-    transport_spec,
-)
+from miles_sync.transport.base import transport_spec
+from miles_sync.transport.feeds import FeedPlan, feed_node_problems
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
 __all__ = ["RemoteTrainerSource", "StageSource", "plan_stages"]
@@ -145,7 +141,7 @@ class RemoteTrainerSource(WeightSource):
 
     def check_engines(self, engines: Sequence[EngineEndpoint]) -> None:
         """Raise ValueError, naming each engine and node, when the colocated transport would feed an engine from a
-        trainer rank on another node (`transport.base.feed_node_problems`); a no-op for other transports. The
+        trainer rank on another node (`transport.feeds.feed_node_problems`); a no-op for other transports. The
         controller calls it once it knows the engines (at connect), and every `open` does."""
         if not transport_spec(self._calls.settings.transport).feeds_from_every_rank or not self._ranks:
             return

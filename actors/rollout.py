@@ -17,11 +17,9 @@ from actors.node import NodeAddress, adopt_node_address, node_address_of
 from actors.placement import PlacedGroups
 from miles_sync.engine.kinds import EngineSpec
 from miles_sync.engine.rollout import RolloutWorker
-from miles_sync.job.placement import Resources
+from miles_sync.job.placement import DEFAULT_ENGINE_RESOURCES, Resources
 
 __all__ = ["DEFAULT_ENGINE_RESOURCES", "EngineGroup", "NodeRolloutWorker", "create_engines"]
-
-DEFAULT_ENGINE_RESOURCES = Resources(num_cpus=0.01)
 
 
 class NodeRolloutWorker(RolloutWorker):

@@ -17,16 +17,15 @@ from actors.node import NodeAddress, adopt_node_address, node_address_of
 from actors.placement import PlacedGroups
 from miles_sync.config import TrainerConfig
 from miles_sync.export.registry import ConversionMode
-from miles_sync.job.placement import Resources
+from miles_sync.job.placement import DEFAULT_TRAINER_RESOURCES, Resources
 from miles_sync.job.trainer import CompletionLogprobs, ScoreBatch, TrainBatch, TrainerWorker, TrainStepResult
 from miles_sync.megatron.lora import LoraSpec
 from miles_sync.sync.source import RankInfo
-from miles_sync.transport.base import FeedPlan
+from miles_sync.transport.feeds import FeedPlan
 
 __all__ = ["DEFAULT_TRAINER_RESOURCES", "NodeTrainerWorker", "TrainerGroup", "create_trainers"]
 
 # A sliver of a CPU: on small machines every actor must schedule, and a rank's work is bounded by its threads.
-DEFAULT_TRAINER_RESOURCES = Resources(num_cpus=0.01)
 
 
 class NodeTrainerWorker(TrainerWorker):

@@ -117,9 +117,13 @@ from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.sender import Sender
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
-from miles_sync.transport.base import EngineEndpoint, EngineTarget, GroupMembership  # noqa: E402
+from miles_sync.transport.base import EngineTarget  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
 from miles_sync.transport.group import start_store_server  # noqa: E402
+from miles_sync.transport.membership import (
+    EngineEndpoint,
+    GroupMembership,  # noqa: E402
+)
 from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
 from miles_sync.wire.protocol import ChecksumNames, Selector

@@ -112,7 +112,7 @@ class Fleet:
 @contextlib.contextmanager
 def start_fleet(config: MilesSyncConfig, *, log_dir: Path) -> Iterator[Fleet]:
     """The main job's actors, started and stopped by the job's own code; engine logs go to `log_dir`."""
-    from launch.job import start_job_actors
+    from launch.fleet import start_job_actors
 
     with start_job_actors(config, log=log, engine_log_dir=log_dir) as actors:
         yield Fleet(trainers=actors.trainers, engines=actors.engines, controller=actors.controller)

@@ -317,6 +317,12 @@ class TrainerConfig:
     lr: float = 3e-3
 
     @property
+    def layout_name(self) -> str:
+        """The layout in a log line: TP always, every other factor where it is not 1 ("TP=2, PP=2")."""
+        factors = {"TP": self.tp, "PP": self.pp, "DP": self.dp, "EP": self.ep, "ETP": self.etp}
+        return ", ".join(f"{name}={value}" for name, value in factors.items() if name == "TP" or value != 1)
+
+    @property
     def world_size(self) -> int:
         """Number of trainer ranks (actors)."""
         return self.tp * self.pp * self.dp

@@ -101,7 +101,7 @@ def run(conn, target_dir: str, gate_reached, gate_release) -> None:
 async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
     from miles_sync.sync.sender import Sender
     from miles_sync.sync.sender import SenderSettings as Settings  # this module's SenderSettings is the test's own
-    from miles_sync.transport.base import Device, FeedRole, plan_feeds
+    from miles_sync.transport.feeds import Device, FeedRole, plan_feeds
 
     checkpoint, num_hidden_layers = load_checkpoint(target_dir)
     state: dict[str, Any] = {"step": 0, "gate_unit": None, "sender": None, "settings": None}

@@ -20,16 +20,21 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from miles_sync.config import PLACEMENT_STRATEGIES
-from miles_sync.transport.base import Device, FeedPlan, plan_feeds
+from miles_sync.config import PLACEMENT_STRATEGIES, MilesSyncConfig
+from miles_sync.transport.base import transport_spec
+from miles_sync.transport.feeds import Device, FeedPlan, plan_feeds
 
 __all__ = [
+    "DEFAULT_ENGINE_RESOURCES",
+    "DEFAULT_TRAINER_RESOURCES",
     "ActorRole",
     "ActorSlot",
     "BundleGroup",
     "PlacementLayout",
     "PlacementPlan",
     "Resources",
+    "job_feed_plan",
+    "job_placement",
     "plan_colocated_feeds",
     "plan_placement",
 ]
@@ -203,7 +208,7 @@ def _colocated(
 
 def plan_colocated_feeds(plan: PlacementPlan) -> FeedPlan:
     """The colocated transport's feed assignment for `plan`: each engine TP rank fed by the trainer rank on its
-    bundle (`transport.base.plan_feeds` over bundle devices). Pure. Raises ValueError for a disaggregated plan
+    bundle (`transport.feeds.plan_feeds` over bundle devices). Pure. Raises ValueError for a disaggregated plan
     (no engine rank shares a device with a trainer rank, so the colocated transport cannot run on it)."""
     if plan.layout is not PlacementLayout.COLOCATED:
         raise ValueError(
@@ -237,3 +242,44 @@ def _disaggregated(
             ActorSlot(role=ActorRole.ENGINE, index=j, group=1, bundle=j, resources=engine) for j in range(num_engines)
         ),
     )
+
+
+# What one trainer rank or one engine needs of a bundle by default (they run on the CPU here; GPU clusters place
+# by their custom node resources, `cluster.*_node_resource`).
+DEFAULT_TRAINER_RESOURCES = Resources(num_cpus=0.01)
+DEFAULT_ENGINE_RESOURCES = Resources(num_cpus=0.01)
+
+
+def job_placement(config: MilesSyncConfig) -> PlacementPlan | None:
+    """The main job's placement: with a transport that feeds engines from every trainer rank (colocated: memory
+    mapped across processes on one device) each trainer rank shares a bundle with an engine rank, otherwise
+    trainers and engines get bundles of their own. None when the engines are running servers (`engines.urls`):
+    only the trainers are placed, by Ray."""
+    if config.engines.urls:
+        return None
+    cluster = config.cluster
+    is_colocated = transport_spec(config.sync.transport).feeds_from_every_rank
+    return plan_placement(
+        layout=PlacementLayout.COLOCATED if is_colocated else PlacementLayout.DISAGGREGATED,
+        num_trainers=config.trainer.world_size,
+        num_engines=config.engines.count,
+        trainer=_on_nodes(DEFAULT_TRAINER_RESOURCES, cluster.trainer_node_resource),
+        engine=_on_nodes(DEFAULT_ENGINE_RESOURCES, cluster.engine_node_resource),
+        engine_tp_size=config.engines.tp,
+        strategy=cluster.trainer_strategy,
+        engine_strategy=cluster.engine_strategy,
+    )
+
+
+def job_feed_plan(config: MilesSyncConfig, plan: PlacementPlan | None) -> FeedPlan | None:
+    """Colocated transport on placed engines: each engine rank is fed by the trainer rank on its bundle. Running
+    servers have no placement: the export source feeds them all; with pipeline stages each stage's source feeds
+    every engine rank itself (a feed plan spans the whole trainer group, and the stages open one after another)."""
+    if plan is None or not transport_spec(config.sync.transport).feeds_from_every_rank or config.trainer.pp > 1:
+        return None
+    return plan_colocated_feeds(plan)
+
+
+def _on_nodes(resources: Resources, node_resource: str | None) -> Resources:
+    """`resources` plus one unit of the custom node resource that marks the nodes this role may run on."""
+    return resources if node_resource is None else resources + Resources(custom=((node_resource, 1.0),))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +27,10 @@ __all__ = [
     "table_header",
     "unsynced_round_record",
     "write_png",
+    "machine_record",
+    "summary_line",
+    "why_stop",
+    "write_run_files",
 ]
 
 _PACKAGES = ("miles_sync", "torch", "ray", "megatron-core", "transformers", "omegaconf", "hydra-core", "aiohttp")
@@ -61,6 +66,19 @@ class BaselineRecord:
     rule_share: float | None = None
     logprob_diff_max: float | None = None
     logprob_diff_mean: float | None = None
+
+    @classmethod
+    def of(cls, stats: RolloutStats, *, version: str) -> BaselineRecord:
+        """Round 0's row: what the rollouts of the starting weights show."""
+        return cls(
+            version=version,
+            accept_length=stats.accept_length,
+            reward=stats.reward,
+            reward_per_engine=stats.reward_per_engine,
+            rule_share=stats.rule_share,
+            logprob_diff_max=stats.logprob_diff_max,
+            logprob_diff_mean=stats.logprob_diff_mean,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,3 +369,47 @@ def _curve(axes: Any, xs: Sequence[int], ys: Sequence[float | None], *, label: s
     points = [(x, y) for x, y in zip(xs, ys) if y is not None]
     if points:
         axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label, **style)
+
+
+def summary_line(baseline: BaselineRecord | None, rounds: Sequence[RoundRecord]) -> str | None:
+    """The run's last log line: rounds, verified syncs, accept length, reward and the largest log-prob gap; None
+    before any round ran."""
+    if baseline is None or not rounds:
+        return None
+    first, last = baseline.accept_length, rounds[-1].accept_length
+    verified = sum(r.verified for r in rounds)
+    diffs = [r.logprob_diff_max for r in rounds if r.logprob_diff_max is not None]
+    return (
+        f"{len(rounds)} rounds, {verified} verified; accept length {first} -> {last}; "
+        f"mean reward {baseline.reward:.3f} -> {rounds[-1].reward:.3f}"
+        + (f"; max |trainer - engine| log-prob over the rounds {max(diffs):.2e}" if diffs else "")
+    )
+
+
+def machine_record() -> dict[str, Any]:
+    """report.json's `machine` (the nodes are added by the driver)."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def why_stop(row: RoundRecord, *, holds_on_canary: bool) -> str | None:
+    """Why the run stops after `row`: its sync failed, or (`sync.draft_canary: hold`) the canary held engines."""
+    if row.synced and not row.committed:
+        return f"the sync failed: {row.error}"
+    if row.canary_flagged and holds_on_canary:
+        return (
+            f"the draft canary held {', '.join(row.canary_flagged)} paused (sync.draft_canary=hold); "
+            "see the warnings above"
+        )
+    return None
+
+
+def write_run_files(report: RunReport, run_dir: Path, *, control_report: str | None) -> tuple[Path, Path]:
+    """report.json and report.png of a run under `run_dir` (the control run's reward curve drawn from
+    `control_report` when given); returns both paths."""
+    json_path, png_path = run_dir / "report.json", run_dir / "report.png"
+    report.write_json(json_path)
+    control = None if control_report is None else read_reward_curve(Path(control_report))
+    is_control = not report.config.get("sync", {}).get("enabled", True)
+    title = f"miles_sync run {report.run_name!r}" + (" (control: never synced)" if is_control else "")
+    write_png(png_path, baseline=report.baseline, rounds=list(report.rounds), title=title, control=control)
+    return json_path, png_path

@@ -22,7 +22,7 @@ from miles_sync.export.registry import ConversionMode
 from miles_sync.megatron.lora import LoraSpec
 from miles_sync.sync.selector import selector_input_problems
 from miles_sync.sync.source import ModelSource, RankInfo
-from miles_sync.transport.base import FeedPlan
+from miles_sync.transport.feeds import FeedPlan
 from miles_sync.wire.dtypes import config_dtype
 
 __all__ = ["CompletionLogprobs", "ScoreBatch", "TrainBatch", "TrainStepResult", "TrainerWorker"]

@@ -12,7 +12,7 @@ from typing import Any
 from miles_sync.env import read_environment
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.source import ModelSource
-from miles_sync.transport.base import FeedPlan
+from miles_sync.transport.feeds import FeedPlan
 
 __all__ = ["DEFAULT_ATTACHMENT", "attach_model", "attached_source", "detach_model"]
 
@@ -40,7 +40,7 @@ def attach_model(
     the same name replaces the previous model. Returns the rank's ModelSource.
 
     `feeds` (the colocated transport only; the same plan on every rank): which trainer rank feeds each engine TP
-    rank, from the devices they run on (`miles_sync.transport.base.plan_feeds`, or `placement.plan_colocated_feeds`
+    rank, from the devices they run on (`miles_sync.transport.feeds.plan_feeds`, or `placement.plan_colocated_feeds`
     for a miles_sync placement plan). Without it the export source alone hands every engine rank a handle to its
     own memory: fine on CPU and where all engine ranks share the source's GPU, refused by SGLang ("Invalid
     device_uuid") for an engine rank on another GPU.

@@ -47,13 +47,8 @@ from miles_sync.sync.pipeline import stage_group_names
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.weight_source import WeightSource
-from miles_sync.transport.base import (
-    EngineEndpoint,
-    GroupMembership,
-    TransportSpec,
-    plan_membership,
-    transport_spec,
-)
+from miles_sync.transport.base import TransportSpec, transport_spec
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership, plan_membership
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.protocol import (
     DEFAULT_GROUP_NAME,

@@ -30,7 +30,7 @@ from typing import Any
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
-from miles_sync.transport.base import EngineEndpoint, GroupMembership
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
 __all__ = ["PipelineSource", "stage_group_name", "stage_group_names"]

@@ -38,16 +38,15 @@ from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.base import (
     TRANSPORTS,
-    EngineEndpoint,
     EngineTarget,
-    FeedRole,
-    GroupMembership,
     Transport,
     create_transport,
     needs_update_group,
     transport_spec,
 )
 from miles_sync.transport.colocated import FanOut, PostedPayload, open_fan_out
+from miles_sync.transport.feeds import FeedRole
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.protocol import Selector
 

@@ -27,8 +27,10 @@ from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult
-from miles_sync.transport.base import EngineEndpoint, FeedPlan, FeedRole, GroupMembership, transport_spec
+from miles_sync.transport.base import transport_spec
 from miles_sync.transport.colocated import PostedPayload, find_source_rank
+from miles_sync.transport.feeds import FeedPlan, FeedRole
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
 __all__ = [

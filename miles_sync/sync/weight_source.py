@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from miles_sync.sync.adapter import AdapterPayload
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
-from miles_sync.transport.base import EngineEndpoint, GroupMembership
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
 __all__ = ["SendResult", "StageResult", "WeightSource"]

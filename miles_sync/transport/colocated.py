@@ -1,6 +1,6 @@
 """Colocated transport: every engine TP rank maps a bucket in the memory of the trainer rank on its own device.
 
-A FeedPlan (miles_sync.transport.base) says which trainer rank feeds each engine rank and which one posts each
+A FeedPlan (miles_sync.transport.feeds) says which trainer rank feeds each engine rank and which one posts each
 engine's request. Its ranks and the export source form a fan-out group (gloo, created when the sender opens, so it
 never interleaves with the export's collectives on the trainer's default group; its devices bind each rank's own
 address). On several nodes this is how a bucket reaches every node: over the trainer's own group, from the source to
@@ -35,8 +35,10 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_sync.transport.base import EngineTarget, FeedRole, GroupMembership, TransportError
+from miles_sync.transport.base import EngineTarget, TransportError
+from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.group import gloo_device
+from miles_sync.transport.membership import GroupMembership
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
 from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
 from miles_sync.wire.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import torch
 
 from miles_sync.env import bind_host
-from miles_sync.transport.base import EngineTarget, GroupMembership, TransportError
+from miles_sync.transport.base import EngineTarget, TransportError
 from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
+from miles_sync.transport.membership import GroupMembership
 from miles_sync.wire.api import EngineError
 from miles_sync.wire.bucket import FlattenedBucket
 from miles_sync.wire.dtypes import dtype_name

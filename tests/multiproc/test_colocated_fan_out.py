@@ -32,7 +32,8 @@ def run_rank(rank: int, port: int, urls: list[str], fail_export_at: int | None, 
 
     from miles_sync.export.units import units_from_hf_tensors
     from miles_sync.sync.sender import Sender, SenderSettings
-    from miles_sync.transport.base import Device, EngineEndpoint, FeedRole, plan_feeds
+    from miles_sync.transport.feeds import Device, FeedRole, plan_feeds
+    from miles_sync.transport.membership import EngineEndpoint
     from miles_sync.wire.protocol import Selector
 
     torch.set_num_threads(1)

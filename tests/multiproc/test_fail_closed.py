@@ -24,8 +24,9 @@ from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController, SyncError
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
-from miles_sync.transport.base import EngineEndpoint, EngineTarget, plan_membership
+from miles_sync.transport.base import EngineTarget
 from miles_sync.transport.distributed import DistributedTransport
+from miles_sync.transport.membership import EngineEndpoint, plan_membership
 from miles_sync.wire.bucket import pack_bucket
 from miles_sync.wire.protocol import PauseMode, Selector
 

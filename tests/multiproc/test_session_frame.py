@@ -23,7 +23,7 @@ from miles_sync.sync.lora import run_lora_sync_session
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.weight_source import WeightSource
-from miles_sync.transport.base import EngineEndpoint
+from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.wire.protocol import GenerateRequest, PauseMode, SamplingParams
 
 pytestmark = pytest.mark.multiproc

@@ -27,7 +27,7 @@ from ray_fleet import RAY_TIMEOUT_S, Fleet, current_urls, local_ray, started_fle
 
 from actors.controller import create_controller
 from actors.trainer import TrainerGroup, create_trainers
-from launch.job import start_job_actors
+from launch.fleet import start_job_actors
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig, load_config
 from miles_sync.export.registry import ConversionMode
 from miles_sync.job.placement import plan_colocated_feeds
@@ -209,7 +209,7 @@ def test_frozen_draft_refuses_auto_in_bridge_mode_naming_the_override(scenario):
 
 
 def test_the_main_job_threads_sync_conversion_to_every_trainer_rank(scenario, fleet, tmp_path):
-    # The main job's own start-up (launch.job.start_job_actors) with the documented overrides, on this cluster:
+    # The main job's own start-up (launch.fleet.start_job_actors) with the documented overrides, on this cluster:
     # every trainer rank exports with megatron-bridge and the sync (selector target) commits, verified, sending
     # the checkpoint's bytes, which the bridge group of the scenario sent before its step.
     overrides = ["sync.conversion=bridge", "sync.selector=target", "engines.count=1", "run_name=bridge-job"]

@@ -14,7 +14,8 @@ from miles_sync.env import (
     socket_interface_env,
 )
 from miles_sync.job.placement import Resources, plan_placement
-from miles_sync.transport.base import EngineEndpoint, EngineFeed, FeedPlan, feed_node_problems
+from miles_sync.transport.feeds import EngineFeed, FeedPlan, feed_node_problems
+from miles_sync.transport.membership import EngineEndpoint
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from miles_sync.job.placement import Resources, plan_colocated_feeds, plan_placement
-from miles_sync.transport.base import Device, EngineEndpoint, EngineFeed, FeedPlan, FeedRole, plan_feeds
 from miles_sync.transport.colocated import (
     BucketAnnouncement,
     FedPayload,
@@ -19,6 +18,8 @@ from miles_sync.transport.colocated import (
     RankOutcomes,
     SendEnd,
 )
+from miles_sync.transport.feeds import Device, EngineFeed, FeedPlan, FeedRole, plan_feeds
+from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.wire.bucket import BucketEntry
 from miles_sync.wire.protocol import Selector
 

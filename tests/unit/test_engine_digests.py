@@ -29,7 +29,8 @@ from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.verify import ENGINE_EXACT, REPLICA, UNVERIFIED, fleet_verdicts
-from miles_sync.transport.base import TRANSPORTS, EngineEndpoint, TransportSpec
+from miles_sync.transport.base import TRANSPORTS, TransportSpec
+from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.weights.checksum import sglang_overall_checksum
 from miles_sync.weights.engine_layout import TPShape, rank_engine_digests
 from miles_sync.weights.layout import WeightLayout, can_shuffle, shuffle_weight

@@ -17,19 +17,11 @@ from miles_sync.sync.packing import pair_with_plans
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.verify import checksum_problems
-from miles_sync.transport.base import (
-    TRANSPORTS,
-    EngineEndpoint,
-    EngineRanks,
-    FeedRole,
-    GroupMembership,
-    TransportError,
-    TransportSpec,
-    needs_update_group,
-    plan_membership,
-)
+from miles_sync.transport.base import TRANSPORTS, TransportError, TransportSpec, needs_update_group
 from miles_sync.transport.colocated import flattened_metadata
 from miles_sync.transport.distributed import bucket_request
+from miles_sync.transport.feeds import FeedRole
+from miles_sync.transport.membership import EngineEndpoint, EngineRanks, GroupMembership, plan_membership
 from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta, layout_from_metadata, pack_bucket
 from miles_sync.wire.protocol import LoadFormat, PauseMode, RankChecksums, Selector
