@@ -1,4 +1,4 @@
-"""Trainer actors: one `miles_sync.sync.source.TrainerWorker` per Megatron rank, wrapped with `ray.remote` here.
+"""Trainer actors: one `miles_sync.job.trainer.TrainerWorker` per Megatron rank, wrapped with `ray.remote` here.
 
 `create_trainers` starts every rank (in its placement bundle when given one), each adopting its node's address
 (actors.node), lets rank 0 host the trainer group's rendezvous store at its node's address, and sets every rank up at

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from miles_sync.engine.kinds import EngineSpec
-from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, LOOPBACK_HOST
+from miles_sync.wire.text import raise_if
 
 __all__ = ["EngineLauncher", "EngineStartError"]
 
@@ -42,7 +43,7 @@ class EngineLauncher:
         *,
         spec: EngineSpec,
         log_dir: str | os.PathLike,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK_HOST,
         startup_timeout_s: float = 180.0,
         stop_timeout_s: float = 15.0,
         env: Mapping[str, str] | None = None,
@@ -52,8 +53,7 @@ class EngineLauncher:
             for name, value in (("startup_timeout_s", startup_timeout_s), ("stop_timeout_s", stop_timeout_s))
             if not value > 0
         ]
-        if problems:
-            raise ValueError("invalid EngineLauncher: " + "; ".join(problems))
+        raise_if(problems, what="invalid EngineLauncher")
         self._spec = spec
         self._log_dir = Path(log_dir)
         self._host = host

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.kinds import EngineSpec
 from miles_sync.engine.process import EngineLauncher
+from miles_sync.env import LOOPBACK_HOST
 from miles_sync.wire.api import EngineError
 from miles_sync.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
@@ -91,7 +92,7 @@ class RolloutWorker:
         *,
         spec: EngineSpec,
         log_dir: str | os.PathLike,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK_HOST,
         http_timeout_s: float = 60.0,
         startup_timeout_s: float = 180.0,
         env: Mapping[str, str] | None = None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.text import raise_if
 
 __all__ = ["EngineSettings", "FinalizePolicy", "LoraSettings"]
 
@@ -52,8 +53,7 @@ class LoraSettings:
         per_batch, loaded = self.max_loras_per_batch, self.max_loaded_loras
         if loaded is not None and loaded < (8 if per_batch is None else per_batch):  # SGLang's rule, its default 8
             problems.append(f"max_loaded_loras={loaded} must be at least max_loras_per_batch ({per_batch or 8})")
-        if problems:
-            raise ValueError("invalid LoraSettings: " + "; ".join(problems))
+        raise_if(problems, what="invalid LoraSettings")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,8 +30,14 @@ from dataclasses import dataclass, field
 
 from miles_sync.engine.command import LaunchCommand, reserve_port, url_host
 from miles_sync.engine.settings import EngineSettings, LoraSettings
-from miles_sync.env import CPU_SHIM_VARIABLE, ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
+from miles_sync.env import (
+    CPU_SHIM_VARIABLE,
+    ENGINE_ADMIN_API_KEY_VARIABLE,
+    ENGINE_API_KEY_VARIABLE,
+    LOOPBACK_HOST,
+)
 from miles_sync.wire.draft import DraftKind
+from miles_sync.wire.text import raise_if
 
 __all__ = [
     "CPU_FLAGS",
@@ -171,9 +177,8 @@ class SGLangEngineSpec:
             # SGLang opens its normal routes to everyone when only the admin key is set, and /server_info (one of
             # them) answers every server argument, the admin key included.
             problems.append("admin_api_key needs api_key as well: without it SGLang's /server_info shows it to anyone")
-        if problems:
-            raise ValueError("invalid SGLangEngineSpec: " + "; ".join(problems))
-        built = {arg for arg in self._flags(host="127.0.0.1", port=0, with_extra=False) if arg.startswith("--")}
+        raise_if(problems, what="invalid SGLangEngineSpec")
+        built = {arg for arg in self._flags(host=LOOPBACK_HOST, port=0, with_extra=False) if arg.startswith("--")}
         repeated = sorted({arg.partition("=")[0] for arg in self.extra_args} & (built | _RESERVED_FLAGS))
         if repeated:
             raise ValueError(f"invalid SGLangEngineSpec: extra_args repeat flags built here: {', '.join(repeated)}")

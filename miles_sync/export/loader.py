@@ -16,6 +16,7 @@ import torch
 from miles_sync.export.converter import Converter
 from miles_sync.export.megatron import model_chunks
 from miles_sync.export.stage import ParallelCoords, ParamPlan, collect_local_params, plan_local_params
+from miles_sync.wire.text import raise_if
 
 _INDEX = "model.safetensors.index.json"
 
@@ -108,8 +109,7 @@ def _check_present(plans: Sequence[ParamPlan], reader: CheckpointReader) -> None
         problems.append(f"missing tensors {sorted(set(missing))}")
     if wrong:
         problems.append("; ".join(sorted(set(wrong))))
-    if problems:
-        raise ValueError(f"checkpoint {reader.checkpoint_dir} does not fit the model: " + "; ".join(problems))
+    raise_if(problems, what=f"checkpoint {reader.checkpoint_dir} does not fit the model")
 
 
 def _weight_map(checkpoint_dir: Path) -> dict[str, str]:

@@ -23,6 +23,7 @@ from typing import Any
 from miles_sync.config import PLACEMENT_STRATEGIES, MilesSyncConfig
 from miles_sync.transport.base import transport_spec
 from miles_sync.transport.feeds import Device, FeedPlan, plan_feeds
+from miles_sync.wire.text import raise_if
 
 __all__ = [
     "DEFAULT_ENGINE_RESOURCES",
@@ -67,8 +68,7 @@ class Resources:
         reserved = sorted({n for n in names if n in ("CPU", "GPU")})
         if reserved:
             problems.append(f"custom resources {reserved} must be given as num_cpus / num_gpus")
-        if problems:
-            raise ValueError("invalid Resources: " + "; ".join(problems))
+        raise_if(problems, what="invalid Resources")
 
     def __add__(self, other: Resources) -> Resources:
         custom = dict(self.custom)
@@ -179,8 +179,7 @@ def plan_placement(
             f"colocated layout needs num_engines * engine_tp_size == num_trainers (one engine TP rank per trainer "
             f"bundle), got {num_engines} * {engine_tp_size} != {num_trainers}"
         )
-    if problems:
-        raise ValueError("cannot plan placement: " + "; ".join(problems))
+    raise_if(problems, what="cannot plan placement")
     if layout is PlacementLayout.COLOCATED:
         return _colocated(num_trainers, num_engines, trainer, engine, engine_tp_size, strategy)
     return _disaggregated(num_trainers, num_engines, trainer, engine, strategy, engine_strategy)

@@ -23,6 +23,7 @@ from miles_sync.engine.reference.fp8_checkpoint import default_block, fp8_checkp
 from miles_sync.engine.settings import EngineSettings
 from miles_sync.env import read_environment
 from miles_sync.megatron.lora import LoraSpec
+from miles_sync.wire.text import raise_if
 
 __all__ = ["ResolvedJob", "engine_device", "engine_settings", "resolve_job", "trainer_lora"]
 
@@ -47,8 +48,7 @@ def resolve_job(config: MilesSyncConfig, *, log: Callable[[str], None]) -> Resol
         config = dataclasses.replace(config, sync=dataclasses.replace(config.sync, fp8_block=block))
     if hf_config is not None:  # a directory without config.json is left to the engines
         problems = checkpoint_problems(config, hf_config)
-        if problems:
-            raise ValueError(f"checkpoint {checkpoint}: " + "; ".join(problems))
+        raise_if(problems, what=f"checkpoint {checkpoint}")
     return ResolvedJob(config=config, checkpoint=checkpoint)
 
 

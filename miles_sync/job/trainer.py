@@ -1,8 +1,9 @@
 """`TrainerWorker`: the trainer the launch code runs (one Ray actor per rank).
 
-Its own gloo group on loopback, megatron-core model parallelism, the model built from the HF config the engines
-serve and loaded from the same checkpoint (so both copies start bit-identical), and a real optimizer: a REINFORCE
-step with Adam on given token sequences and rewards. Its share of every sync is a `ModelSource`
+Its own gloo group (at its node's address: loopback on one machine), megatron-core model parallelism, the model
+built from the HF config the engines serve and loaded from the same checkpoint (so both copies start bit-identical),
+and a real optimizer: a policy-gradient step with Adam on given token sequences and their advantages (the job
+passes GRPO group advantages). Its share of every sync is a `ModelSource`
 (`miles_sync.sync.source`), attached under its attachment name like any pipeline's model.
 """
 
@@ -18,12 +19,14 @@ from typing import Any
 import torch
 
 from miles_sync.config import SyncConfig, TrainerConfig
+from miles_sync.env import LOOPBACK_HOST
 from miles_sync.export.registry import ConversionMode
 from miles_sync.megatron.lora import LoraSpec
 from miles_sync.sync.selector import selector_input_problems
 from miles_sync.sync.source import ModelSource, RankInfo
 from miles_sync.transport.feeds import FeedPlan
 from miles_sync.wire.dtypes import config_dtype
+from miles_sync.wire.text import raise_if
 
 __all__ = ["CompletionLogprobs", "ScoreBatch", "TrainBatch", "TrainStepResult", "TrainerWorker"]
 
@@ -56,8 +59,7 @@ class TrainBatch:
         bad = [i for i, (s, n) in enumerate(zip(self.sequences, self.num_prompt_tokens)) if not 1 <= n < len(s)]
         if bad:
             problems.append(f"sequences {bad} need 1 <= num_prompt_tokens < length (at least one completion token)")
-        if problems:
-            raise ValueError("invalid TrainBatch: " + "; ".join(problems))
+        raise_if(problems, what="invalid TrainBatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +83,7 @@ class ScoreBatch:
             problems.append(f"sequences {bad} need 1 <= num_prompt_tokens < length (at least one completion token)")
         if not self.temperature >= 0:
             problems.append(f"temperature={self.temperature} must be non-negative")
-        if problems:
-            raise ValueError("invalid ScoreBatch: " + "; ".join(problems))
+        raise_if(problems, what="invalid ScoreBatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,8 +160,7 @@ class TrainerWorker:
             conversion = ConversionMode(conversion)
         except ValueError:
             problems.append(f"conversion={conversion!r} must be one of {[m.value for m in ConversionMode]}")
-        if problems:
-            raise ValueError("invalid TrainerWorker: " + "; ".join(problems))
+        raise_if(problems, what="invalid TrainerWorker")
         self._conversion = conversion
         self._rank = rank
         self._config = trainer
@@ -197,7 +197,7 @@ class TrainerWorker:
             raise RuntimeError(f"trainer rank {self._rank}: setup() has not run")
         return self._model
 
-    def host_store(self, *, host: str = "127.0.0.1") -> int:
+    def host_store(self, *, host: str = LOOPBACK_HOST) -> int:
         """Rank 0: start the trainer group's rendezvous store on `host` at a port the OS picks; returns the port."""
         if self._rank != 0:
             raise RuntimeError(f"host_store on rank {self._rank}: rank 0 hosts the trainer group's store")
@@ -264,8 +264,7 @@ class TrainerWorker:
             hf_config.to_dict(), num_trained_mtp_layers=self._num_mtp_layers
         )
         problems += layout.checkpoint_problems(hf_config.to_dict())
-        if problems:
-            raise ValueError(f"trainer rank {self._rank}, checkpoint {self._checkpoint_dir}: " + "; ".join(problems))
+        raise_if(problems, what=f"trainer rank {self._rank}, checkpoint {self._checkpoint_dir}")
         torch.manual_seed(self._seed)
         if is_cuda:
             from megatron.core import tensor_parallel

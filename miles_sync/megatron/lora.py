@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from miles_sync.wire.text import raise_if
+
 __all__ = [
     "COLUMN_MODULES",
     "HF_TARGETS",
@@ -81,8 +83,7 @@ class LoraSpec:
                     f"target_modules {chosen} without {sorted(set(parts) - set(chosen))}: megatron fuses {list(parts)} "
                     f"into {module}, adapted as one"
                 )
-        if problems:
-            raise ValueError("invalid LoRA spec: " + "; ".join(problems))
+        raise_if(problems, what="invalid LoRA spec")
 
     @property
     def scale(self) -> float:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_sync.wire.text import raise_if
+
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # Megatron-LM's default: pad the vocabulary to a multiple of 128 * TP so every shard is GEMM friendly.
@@ -267,5 +269,4 @@ def _check_supported(hf_config: Any) -> None:
         fixed_mismatch = {k: rope_scaling.get(k) for k, v in _LLAMA3_ROPE_FIXED.items() if rope_scaling.get(k) != v}
         if kind != "llama3" or fixed_mismatch:
             problems.append(f"rope_scaling={rope_scaling!r} (only llama3 with {_LLAMA3_ROPE_FIXED})")
-    if problems:
-        raise ValueError("cannot build a megatron-core model for this HF config: " + "; ".join(problems))
+    raise_if(problems, what="cannot build a megatron-core model for this HF config")

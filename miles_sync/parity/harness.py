@@ -26,11 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_sync.env import adopt_bind_host
+from miles_sync.env import LOOPBACK_HOST, adopt_bind_host
 from miles_sync.megatron.parallel_layout import parallel_layout_problems
 from miles_sync.transport.group import start_store_server
+from miles_sync.wire.text import raise_if
 
-_HOST = "127.0.0.1"
+_HOST = LOOPBACK_HOST
 _MODES = ("raw", "bridge")
 
 
@@ -78,8 +79,7 @@ class ParityCase:
             problems.append(f"mtp_layers={self.mtp_layers} (must be >= 0)")
         if self.dtype not in ("float32", "bfloat16"):
             problems.append(f"dtype={self.dtype!r} (float32 or bfloat16)")
-        if problems:
-            raise ValueError("invalid parity case: " + "; ".join(problems))
+        raise_if(problems, what="invalid parity case")
         # The trainer config checks the same rules with the same words (miles_sync.megatron.parallel_layout).
         problems = parallel_layout_problems(
             tp=self.tp,
@@ -99,8 +99,7 @@ class ParityCase:
             problems.append(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
         if self.ep > 1 and not is_moe:
             problems.append(f"ep={self.ep} needs an MoE arch, got arch={self.arch!r}")
-        if problems:
-            raise ValueError("invalid parity case: " + "; ".join(problems))
+        raise_if(problems, what="invalid parity case")
 
 
 def tiny_hf_config(case: ParityCase) -> Any:

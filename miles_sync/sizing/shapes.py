@@ -101,12 +101,6 @@ class ModelShape:
     def num_tensors(self, dtype: ExportDtype) -> int:
         return sum(g.num_tensors(dtype) for g in self.groups)
 
-    def expert_bytes(self, dtype: ExportDtype) -> int:
-        return sum(g.num_bytes(dtype) for g in self.groups if g.is_expert)
-
-    def tp_sharded_bytes(self, dtype: ExportDtype) -> int:
-        return sum(g.num_bytes(dtype) for g in self.groups if g.is_tp_sharded and not g.is_expert)
-
 
 def model_shape(config: Mapping[str, Any]) -> ModelShape:
     """The exported tensors of an HF config dict. Raises ValueError naming an unsupported `model_type` or a

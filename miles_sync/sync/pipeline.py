@@ -62,10 +62,6 @@ class PipelineSource(WeightSource):
         return len(self._stages)
 
     @property
-    def stages(self) -> tuple[WeightSource, ...]:
-        return self._stages
-
-    @property
     def memberships(self) -> tuple[GroupMembership | None, ...]:
         """Each stage's bound update group after `open` (None entries without a group)."""
         return self._memberships

@@ -15,6 +15,7 @@ from typing import Any
 from miles_sync.weights.fp8 import FP8_DTYPE, Fp8Block, block_from_config, is_quantized_weight, scale_name
 from miles_sync.wire.api import ServerInfo
 from miles_sync.wire.dtypes import dtype_name
+from miles_sync.wire.text import raise_if
 
 __all__ = ["check_fleet_quantization", "engine_quantization", "quantization_problems"]
 
@@ -88,5 +89,4 @@ def check_fleet_quantization(
             url=url, info=info, config=config, quantization=quantization, exported_names=exported_names
         )
     ]
-    if problems:
-        raise ValueError("quantization mismatch, nothing was sent: " + "; ".join(problems))
+    raise_if(problems, what="quantization mismatch, nothing was sent")

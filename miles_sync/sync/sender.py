@@ -13,9 +13,10 @@ The sender also returns the checksum of every tensor it sent, hashed from the pa
 on the wire; the session compares them with each engine's checksums. Given an engine digest plan, the same hasher
 thread also predicts what each engine layout's checker answers per TP rank (miles_sync.sync.engine_digests).
 
-Colocated fan-out (`feeds`): every trainer rank of the feed plan holds its own copy of each bucket for the engine
-ranks on its device (miles_sync.transport.colocated). The source leads each bucket through the fan-out and ends it
-once per send, also after a failure; the other members follow while they drain the export stream.
+The transport is this rank's side of it (`miles_sync.transport.base.RankTransport`, built at open from the
+registry row): the source sends each bucket through it and ends each send, also after a failure; every other rank
+follows the send while it drains the export stream (a colocated feed plan gives each of its ranks a copy of each
+bucket for the engine ranks on its device; the distributed transport needs only the source).
 """
 
 from __future__ import annotations
@@ -36,19 +37,13 @@ from miles_sync.sync.engine_digests import EngineDigester, EngineDigestPlan, Eng
 from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, bucket_checksums, bucket_tensors
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
-from miles_sync.transport.base import (
-    TRANSPORTS,
-    EngineTarget,
-    Transport,
-    create_transport,
-    needs_update_group,
-    transport_spec,
-)
-from miles_sync.transport.colocated import FanOut, PostedPayload, open_fan_out
+from miles_sync.transport.base import TRANSPORTS, RankSetup, RankTransport, open_rank_transport, transport_spec
+from miles_sync.transport.colocated import PostedPayload
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.protocol import Selector
+from miles_sync.wire.text import raise_if
 
 __all__ = ["Sender", "SenderSettings"]
 
@@ -82,8 +77,7 @@ class SenderSettings:
             problems.append(f"transport={self.transport!r} is not one of {sorted(TRANSPORTS)}")
         names = ("bucket_bytes", "bucket_timeout_s", "open_timeout_s", "http_timeout_s", "call_timeout_s")
         problems += [f"{name}={getattr(self, name)} must be positive" for name in names if not getattr(self, name) > 0]
-        if problems:
-            raise ValueError("invalid SenderSettings: " + "; ".join(problems))
+        raise_if(problems, what="invalid SenderSettings")
 
 
 class Sender(WeightSource):
@@ -126,12 +120,10 @@ class Sender(WeightSource):
         self._export = export
         self._names = names
         self._device = torch.device(settings.device)
-        self._transport: Transport | None = None
-        self._clients: tuple[EngineClient, ...] = ()
+        self._rank: RankTransport | None = None  # this rank's side of the transport, built at open
         self._staged: StagedStream | None = None
         self._buffers: DoubleBuffer | None = None
         self._feeds = feeds
-        self._fan_out: FanOut | None = None
 
     @property
     def is_source(self) -> bool:
@@ -143,64 +135,37 @@ class Sender(WeightSource):
     async def open(
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
     ) -> GroupMembership | None:
+        """Build this rank's side of the transport (miles_sync.transport.base.open_rank_transport) and open it: the
+        source joins the update group while the engines do; other ranks return `membership` as given."""
         await self.close()
-        role = self._feed_role(engines)
-        posted = set() if role is None else set(role.plan.posted_by(role.rank))
-        # The source talks to every engine; another member only to the engines whose requests it posts.
-        needed = range(len(engines)) if self.is_source else sorted(posted)
-        clients = {
-            j: EngineClient(
-                engines[j].url,
-                timeout_s=self._settings.http_timeout_s,
-                api_key=self._settings.api_key,
-                admin_api_key=self._settings.admin_api_key,
-            )
-            for j in needed
-        }
-        self._clients = tuple(clients.values())
-        targets = [
-            None if j not in clients else EngineTarget(client=clients[j], tp_size=e.tp_size)
-            for j, e in enumerate(engines)
-        ]
-        if role is not None:
-            self._fan_out = await asyncio.to_thread(
-                open_fan_out,
-                role=role,
-                engines=[t if j in posted else None for j, t in enumerate(targets)],
-                timeout_s=self._fan_out_timeout_s,
-                device=self._device,
-            )
-        if self._transport_name is None:
-            return membership
-        transport = create_transport(self._transport_name, engines=targets, **self._transport_options())
-        bound = await transport.open(membership=membership, timeout_s=self._settings.open_timeout_s)
-        self._transport = transport
+        setup = RankSetup(
+            is_source=self.is_source,
+            connect=self._engine_client,
+            feeds=self._feeds,
+            device=str(self._device),
+            # A member may wait in one collective for a poster's whole HTTP call and the transfer.
+            fan_out_timeout_s=2 * self._settings.bucket_timeout_s,
+        )
+        rank = await open_rank_transport(self._settings.transport, engines=engines, setup=setup)
+        try:
+            bound = await rank.open(membership=membership, timeout_s=self._settings.open_timeout_s)
+        except BaseException:
+            await rank.close(timeout_s=self._settings.open_timeout_s)
+            raise
+        self._rank = rank
         return bound
 
-    def _feed_role(self, engines: Sequence[EngineEndpoint]) -> FeedRole | None:
-        """This rank's fan-out role: the given one, the source alone for a colocated source without one, or None
-        (a transport without fan-out, or a non-source rank outside any plan)."""
-        if self._feeds is not None:
-            self._feeds.plan.check_engines(engines)
-            return self._feeds
-        if self._transport_name is None or not transport_spec(self._transport_name).feeds_from_every_rank:
-            return None
-        return FeedRole.single_source(tp_sizes=[e.tp_size for e in engines])
-
-    @property
-    def _fan_out_timeout_s(self) -> float:
-        # A member may wait in one collective for a poster's whole HTTP call (bucket_timeout_s) and the transfer.
-        return 2 * self._settings.bucket_timeout_s
+    def _engine_client(self, url: str) -> EngineClient:
+        return EngineClient(
+            url,
+            timeout_s=self._settings.http_timeout_s,
+            api_key=self._settings.api_key,
+            admin_api_key=self._settings.admin_api_key,
+        )
 
     def posted_payloads(self) -> tuple[PostedPayload, ...]:
         """What this rank posted to engines during the last finished colocated send (empty otherwise)."""
-        return () if self._fan_out is None else self._fan_out.posted()
-
-    def _transport_options(self) -> dict[str, object]:
-        # The distributed transport places buffers on a device of its group; the colocated one leads the fan-out.
-        if needs_update_group(self._transport_name):
-            return {"device": self._device}
-        return {"fan_out": self._fan_out} if transport_spec(self._transport_name).feeds_from_every_rank else {}
+        return () if self._rank is None else self._rank.posted_payloads()
 
     def _send_buffers(self) -> DoubleBuffer:
         """The pack buffers of a send. On the CPU they are kept from one send to the next: fresh ones cost a page
@@ -226,17 +191,9 @@ class Sender(WeightSource):
     async def close(self) -> None:
         self._staged = None
         self._buffers = None
-        transport, self._transport = self._transport, None
-        clients, self._clients = self._clients, ()
-        fan_out, self._fan_out = self._fan_out, None
-        try:
-            if transport is not None:
-                await transport.close(timeout_s=self._settings.open_timeout_s)
-        finally:
-            if fan_out is not None:
-                fan_out.close()
-            for client in clients:
-                await client.close()
+        rank, self._rank = self._rank, None
+        if rank is not None:
+            await rank.close(timeout_s=self._settings.open_timeout_s)
 
     async def stage(
         self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
@@ -339,9 +296,9 @@ class Sender(WeightSource):
                 )
             except BaseException as exc:
                 with contextlib.suppress(Exception):  # the original failure is the one to report
-                    await self._end_fan_out(error=f"the source failed: {str(exc) or type(exc).__name__}")
+                    await self._end_send(error=f"the source failed: {str(exc) or type(exc).__name__}")
                 raise
-            await self._end_fan_out(error=None)
+            await self._end_send(error=None)
         finally:
             worker.submit(trim_heap)  # after the stream, off the event loop; nobody waits for it
             worker.shutdown(wait=False)
@@ -360,15 +317,15 @@ class Sender(WeightSource):
     async def _follow(self, draining: asyncio.Future) -> None:
         """A non-source rank: drain the export and, as a fan-out member, take part in every bucket; both run to
         their end (the peers' collectives pair up with them) before the first failure is raised."""
-        following = [] if self._fan_out is None else [self._fan_out.follow(timeout_s=self._settings.bucket_timeout_s)]
+        following = [] if self._rank is None else [self._rank.follow(timeout_s=self._settings.bucket_timeout_s)]
         results = await asyncio.gather(draining, *following, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _end_fan_out(self, *, error: str | None) -> None:
-        if self._fan_out is not None:
-            await self._fan_out.end(error=error)
+    async def _end_send(self, *, error: str | None) -> None:
+        if self._rank is not None:
+            await self._rank.end_send(error=error)
 
     async def _send_buckets(
         self,
@@ -380,7 +337,7 @@ class Sender(WeightSource):
         on_bucket: Callable[[BucketProgress], None] | None,
         digester: EngineDigester | None,
     ) -> _Totals:
-        transport = self._transport
+        transport = self._rank
         if transport is None:
             raise RuntimeError("Sender.send before open(): the transport is not built")
         loop = asyncio.get_running_loop()

@@ -73,6 +73,7 @@ from miles_sync.sync.weight_source import SendResult, WeightSource
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
+from miles_sync.wire.text import raise_if
 
 __all__ = [
     "EngineBaseline",
@@ -245,8 +246,7 @@ async def choose_selector(
             )
         except ValueError as exc:
             problems.append(f"{engine.url}: {exc}")
-    if problems:
-        raise ValueError("selector cross-check failed, nothing was sent: " + "; ".join(problems))
+    raise_if(problems, what="selector cross-check failed, nothing was sent")
     if len(set(choices.values())) > 1:
         shown = ", ".join(f"{url}: {s.value}" for url, s in choices.items())
         raise ValueError(f"engines need different selectors ({shown}); one session carries one selector")

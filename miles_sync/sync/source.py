@@ -27,7 +27,6 @@ from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult
-from miles_sync.transport.base import transport_spec
 from miles_sync.transport.colocated import PostedPayload, find_source_rank
 from miles_sync.transport.feeds import FeedPlan, FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
@@ -182,7 +181,7 @@ class ModelSource:
         Returns the membership bound to its port (non-source ranks return `membership` as given)."""
         self.close(timeout_s=settings.call_timeout_s)
         role = None
-        if self._feeds is not None and transport_spec(settings.transport).feeds_from_every_rank:
+        if self._feeds is not None:  # what the plan means is the transport's to decide (miles_sync.transport)
             # Every rank opens at once, before any send: the one moment a collective on the default group cannot
             # interleave with the export's.
             source_rank = find_source_rank(is_source=self._is_source)

@@ -14,24 +14,29 @@ in miles_sync.transport.membership, the colocated feed assignment in miles_sync.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
-from miles_sync.transport.membership import GroupMembership
+from miles_sync.transport.feeds import FeedRole
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.bucket import FlattenedBucket
 from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.protocol import Selector
 
 __all__ = [
+    "RankSetup",
+    "RankTransport",
+    "SourceRank",
+    "open_rank_transport",
+    "source_rank",
     "TransportKind",
     "TRANSPORTS",
     "EngineTarget",
     "Transport",
     "TransportError",
     "TransportSpec",
-    "create_transport",
     "needs_update_group",
     "transport_spec",
 ]
@@ -73,6 +78,40 @@ class Transport(Protocol):
     async def close(self, *, timeout_s: float) -> None: ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankSetup:
+    """What one trainer rank brings to its side of a transport at open. `feeds`: its role in a colocated feed plan
+    (None: no plan was given). `connect(url)`: an engine client for the engines this rank talks to (the rank
+    transport closes the ones it made). `device`: where its buckets live."""
+
+    is_source: bool
+    connect: Callable[[str], EngineAPI] = field(repr=False)
+    feeds: FeedRole | None = None
+    device: str = "cpu"
+    fan_out_timeout_s: float = 120.0  # a member may wait in one collective for a poster's whole HTTP call
+
+
+@runtime_checkable
+class RankTransport(Protocol):
+    """One trainer rank's side of a transport, built at open (`open_rank_transport`) and driven by every trainer
+    rank through the same calls: the source delivers each bucket (`send_bucket`) and ends each send (`end_send`,
+    also after a failure); every other rank takes part in the send (`follow`, which returns once the source ended
+    it; at once where the transport needs only the source). `posted_payloads`: what this rank posted in the last
+    finished send, for transports that keep that record (empty otherwise)."""
+
+    async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> GroupMembership | None: ...
+
+    async def send_bucket(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None: ...
+
+    async def end_send(self, *, error: str | None) -> None: ...
+
+    async def follow(self, *, timeout_s: float) -> None: ...
+
+    def posted_payloads(self) -> tuple[Any, ...]: ...
+
+    async def close(self, *, timeout_s: float) -> None: ...
+
+
 class TransportKind(WireEnum):
     """distributed: broadcast over a torch.distributed group; colocated: per-TP-rank tensor handles."""
 
@@ -82,10 +121,12 @@ class TransportKind(WireEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class TransportSpec:
-    """A registered transport: where its class lives (imported lazily) and which engine endpoints it posts to."""
+    """A registered transport, its one row: where its per-rank factory lives (imported lazily: an async function of
+    `module` taking (engines, setup) and returning a RankTransport), what it needs of the controller and the
+    engines (an update group, endpoints), and how buckets reach the engines."""
 
     module: str
-    class_name: str
+    rank_factory: str
     needs_update_group: bool
     endpoints: tuple[str, ...]
     # Buckets travel as handles to CPU shared memory: the sender packs straight into shared buffers, else every
@@ -99,13 +140,13 @@ class TransportSpec:
 TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: plain names look up too)
     TransportKind.DISTRIBUTED: TransportSpec(
         module="miles_sync.transport.distributed",
-        class_name="DistributedTransport",
+        rank_factory="open_distributed_rank",
         needs_update_group=True,
         endpoints=("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed"),
     ),
     TransportKind.COLOCATED: TransportSpec(
         module="miles_sync.transport.colocated",
-        class_name="ColocatedTransport",
+        rank_factory="open_colocated_rank",
         needs_update_group=False,
         endpoints=("/update_weights_from_tensor",),
         shares_cpu_memory=True,
@@ -126,9 +167,56 @@ def needs_update_group(name: str) -> bool:
     return transport_spec(name).needs_update_group
 
 
-def create_transport(name: str, *, engines: Sequence[EngineTarget], **options: object) -> Transport:
-    """Build the transport registered as `name` over `engines` (in membership order); `options` go to its
-    constructor (see each implementation)."""
+class SourceRank(RankTransport):
+    """A rank's side of a transport that only the export source drives (its `Transport` over every engine, e.g.
+    distributed); any other rank holds nothing and its `follow` returns at once."""
+
+    def __init__(self, transport: Transport | None, *, clients: Sequence[EngineAPI] = ()) -> None:
+        self._transport = transport
+        self._clients = tuple(clients)
+
+    async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> GroupMembership | None:
+        if self._transport is None:
+            return membership
+        return await self._transport.open(membership=membership, timeout_s=timeout_s)
+
+    async def send_bucket(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
+        if self._transport is None:
+            raise TransportError("only the export source sends buckets")
+        await self._transport.send_bucket(bucket, selector=selector, timeout_s=timeout_s)
+
+    async def end_send(self, *, error: str | None) -> None:
+        return None
+
+    async def follow(self, *, timeout_s: float) -> None:
+        return None
+
+    def posted_payloads(self) -> tuple[()]:
+        return ()
+
+    async def close(self, *, timeout_s: float) -> None:
+        try:
+            if self._transport is not None:
+                await self._transport.close(timeout_s=timeout_s)
+        finally:
+            for client in self._clients:
+                await client.close()
+
+
+def source_rank(
+    transport_class: Callable[..., Transport], *, engines: Sequence[EngineEndpoint], setup: RankSetup, **options: Any
+) -> SourceRank:
+    """A SourceRank whose source builds `transport_class(engines=<every engine's target>, **options)`."""
+    if not setup.is_source:
+        return SourceRank(None)
+    clients = [setup.connect(e.url) for e in engines]
+    targets = [EngineTarget(client=c, tp_size=e.tp_size) for c, e in zip(clients, engines)]
+    return SourceRank(transport_class(engines=targets, **options), clients=clients)
+
+
+async def open_rank_transport(name: str, *, engines: Sequence[EngineEndpoint], setup: RankSetup) -> RankTransport:
+    """This trainer rank's side of transport `name` over `engines` (in membership order), built by its registry
+    row's `rank_factory`. Every trainer rank calls it at once (a transport fed by every rank may open a group)."""
     spec = transport_spec(name)
-    cls = getattr(importlib.import_module(spec.module), spec.class_name)
-    return cls(engines=engines, **options)
+    factory = getattr(importlib.import_module(spec.module), spec.rank_factory)
+    return await factory(engines=engines, setup=setup)

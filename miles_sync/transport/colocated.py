@@ -35,15 +35,18 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_sync.transport.base import EngineTarget, TransportError
+from miles_sync.transport.base import EngineTarget, RankSetup, RankTransport, TransportError
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.group import gloo_device
-from miles_sync.transport.membership import GroupMembership
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
+from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
 from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
 from miles_sync.wire.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
 
 __all__ = [
+    "ColocatedRank",
+    "open_colocated_rank",
     "BucketAnnouncement",
     "ColocatedTransport",
     "FanOut",
@@ -502,3 +505,67 @@ class ColocatedTransport:
         # A given fan-out (and its group) belongs to the sender, as do the pack buffers.
         if self._owns_fan_out:
             self._fan_out.close()
+
+
+class ColocatedRank(RankTransport):
+    """One trainer rank's side of the colocated transport: its FanOut (None on a rank outside the feed plan); the
+    source leads each bucket through it, every other member follows."""
+
+    def __init__(self, *, fan_out: FanOut | None, clients: Sequence[EngineAPI]) -> None:
+        self._fan_out = fan_out
+        self._clients = tuple(clients)
+
+    async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> GroupMembership | None:
+        if membership is not None:
+            raise ValueError("the colocated transport uses no update group; pass membership=None")
+        return None
+
+    async def send_bucket(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
+        if self._fan_out is None or not self._fan_out.is_source:
+            raise TransportError("only the export source sends buckets")
+        await self._fan_out.lead(bucket, selector=selector, timeout_s=timeout_s)
+
+    async def end_send(self, *, error: str | None) -> None:
+        if self._fan_out is not None:
+            await self._fan_out.end(error=error)
+
+    async def follow(self, *, timeout_s: float) -> None:
+        if self._fan_out is not None:
+            await self._fan_out.follow(timeout_s=timeout_s)
+
+    def posted_payloads(self) -> tuple[PostedPayload, ...]:
+        return () if self._fan_out is None else self._fan_out.posted()
+
+    async def close(self, *, timeout_s: float) -> None:
+        try:
+            if self._fan_out is not None:
+                self._fan_out.close()
+        finally:
+            for client in self._clients:
+                await client.close()
+
+
+async def open_colocated_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> ColocatedRank:
+    """This rank's fan-out role (the given one, else the source alone), the clients of the engines whose requests
+    it posts and its FanOut: a collective over the trainer's default group when the plan has several members, so
+    every rank of the plan opens at once."""
+    role = setup.feeds
+    if role is not None:
+        role.plan.check_engines(engines)
+    elif setup.is_source:
+        role = FeedRole.single_source(tp_sizes=[e.tp_size for e in engines])
+    if role is None:  # a non-source rank outside any plan: nothing to take part in
+        return ColocatedRank(fan_out=None, clients=())
+    clients = {j: setup.connect(engines[j].url) for j in sorted(set(role.plan.posted_by(role.rank)))}
+    targets = [
+        EngineTarget(client=clients[j], tp_size=e.tp_size) if j in clients else None for j, e in enumerate(engines)
+    ]
+    try:
+        fan_out = await asyncio.to_thread(
+            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, device=setup.device
+        )
+    except BaseException:
+        for client in clients.values():
+            await client.close()
+        raise
+    return ColocatedRank(fan_out=fan_out, clients=list(clients.values()))

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import torch
 
 from miles_sync.env import bind_host
-from miles_sync.transport.base import EngineTarget, TransportError
+from miles_sync.transport.base import EngineTarget, RankSetup, SourceRank, TransportError, source_rank
 from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
-from miles_sync.transport.membership import GroupMembership
+from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.api import EngineError
 from miles_sync.wire.bucket import FlattenedBucket
 from miles_sync.wire.dtypes import dtype_name
@@ -38,7 +38,7 @@ from miles_sync.wire.protocol import (
     UpdateWeightsFromDistributedRequest,
 )
 
-__all__ = ["DistributedTransport", "bucket_request"]
+__all__ = ["DistributedTransport", "bucket_request", "open_distributed_rank"]
 
 # How long to wait for the other engines' answers once the broadcast itself failed: they cannot succeed, we only
 # want their messages for the error (an engine that received nothing answers when the group is torn down).
@@ -226,3 +226,8 @@ def _discard_late_result(future: asyncio.Future) -> None:
 
 def _failures(who: Sequence[str], results: Sequence[object]) -> list[str]:
     return [f"{name}: {result}" for name, result in zip(who, results) if isinstance(result, BaseException)]
+
+
+async def open_distributed_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> SourceRank:
+    """The source talks to every engine and hosts the update group; other ranks hold nothing."""
+    return source_rank(DistributedTransport, engines=engines, setup=setup, device=setup.device)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from miles_sync.transport.membership import EngineEndpoint
+from miles_sync.wire.text import raise_if
 
 __all__ = ["Device", "EngineFeed", "FeedPlan", "FeedRole", "feed_node_problems", "plan_feeds"]
 
@@ -71,8 +72,7 @@ class FeedPlan:
             for j, (e, f) in enumerate(zip(engines, self.engines))
             if e.tp_size != len(f.feeders)
         )
-        if problems:
-            raise ValueError("the colocated feed plan does not match the engines: " + "; ".join(problems))
+        raise_if(problems, what="the colocated feed plan does not match the engines")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,8 +124,7 @@ def plan_feeds(*, trainer_devices: Sequence[Device], engine_devices: Sequence[Se
         problems.append(
             "no trainer rank shares a device with " + ", ".join(orphans) + f" (trainer devices: {sorted(first_rank)})"
         )
-    if problems:
-        raise ValueError("cannot plan colocated feeds: " + "; ".join(problems))
+    raise_if(problems, what="cannot plan colocated feeds")
     engines = []
     for ranks in engine_devices:
         feeders = tuple(first_rank[d] for d in ranks)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from miles_sync.env import LOOPBACK_HOST, configured_host, is_loopback, is_wildcard
+from miles_sync.wire.text import raise_if
 
 __all__ = ["UpdateGroup", "create_update_group", "gloo_device", "start_store_server"]
 
@@ -209,8 +210,7 @@ def create_update_group(
         problems.append(f"timeout_s {timeout_s} must be > 0")
     if backend == "nccl" and not torch.cuda.is_available():
         problems.append("backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
-    if problems:
-        raise ValueError("cannot create update group: " + "; ".join(problems))
+    raise_if(problems, what="cannot create update group")
 
     timeout = timedelta(seconds=timeout_s)
     try:

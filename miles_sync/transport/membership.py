@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from miles_sync.wire.protocol import InitWeightsUpdateGroupRequest
+from miles_sync.wire.text import raise_if
 
 __all__ = ["EngineEndpoint", "EngineRanks", "GroupMembership", "plan_membership"]
 
@@ -93,8 +94,7 @@ def plan_membership(
         problems.append("an update group needs at least one engine")
     if not 0 <= master_port < 2**16:
         problems.append(f"master_port={master_port} is not 0 (OS-chosen) or a TCP port")
-    if problems:
-        raise ValueError(f"cannot plan update group {group_name!r}: " + "; ".join(problems))
+    raise_if(problems, what=f"cannot plan update group {group_name!r}")
     ranks = []
     offset = 1  # rank 0 is the trainer source
     for engine in engines:

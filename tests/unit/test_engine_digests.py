@@ -29,7 +29,7 @@ from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.verify import ENGINE_EXACT, REPLICA, UNVERIFIED, fleet_verdicts
-from miles_sync.transport.base import TRANSPORTS, TransportSpec
+from miles_sync.transport.base import TRANSPORTS, TransportSpec, source_rank
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.weights.checksum import sglang_overall_checksum
 from miles_sync.weights.engine_layout import TPShape, rank_engine_digests
@@ -221,13 +221,17 @@ class MemoryTransport:
         return {name: t for bucket in self.buckets for name, t in bucket.items()}
 
 
+async def open_memory_rank(*, engines, setup):
+    return source_rank(MemoryTransport, engines=engines, setup=setup)
+
+
 @pytest.fixture
 def memory(monkeypatch):
     MemoryTransport.instances.clear()
     monkeypatch.setitem(
         TRANSPORTS,
         "memory",
-        TransportSpec(module=__name__, class_name="MemoryTransport", needs_update_group=False, endpoints=()),
+        TransportSpec(module=__name__, rank_factory="open_memory_rank", needs_update_group=False, endpoints=()),
     )
     return MemoryTransport
 

@@ -17,7 +17,7 @@ from miles_sync.sync.packing import pair_with_plans
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.verify import checksum_problems
-from miles_sync.transport.base import TRANSPORTS, TransportError, TransportSpec, needs_update_group
+from miles_sync.transport.base import TRANSPORTS, TransportError, TransportSpec, needs_update_group, source_rank
 from miles_sync.transport.colocated import flattened_metadata
 from miles_sync.transport.distributed import bucket_request
 from miles_sync.transport.feeds import FeedRole
@@ -283,7 +283,7 @@ def recording(monkeypatch):
     monkeypatch.setitem(
         TRANSPORTS,
         "recording",
-        TransportSpec(module=__name__, class_name="RecordingTransport", needs_update_group=False, endpoints=()),
+        TransportSpec(module=__name__, rank_factory="open_recording_rank", needs_update_group=False, endpoints=()),
     )
     return RecordingTransport
 
@@ -391,7 +391,7 @@ def test_sender_drains_the_stream_after_a_failed_bucket(recording, monkeypatch):
     monkeypatch.setitem(
         TRANSPORTS,
         "recording",
-        TransportSpec(module=__name__, class_name="FailingAtOne", needs_update_group=False, endpoints=()),
+        TransportSpec(module=__name__, rank_factory="open_failing_rank", needs_update_group=False, endpoints=()),
     )
 
     async def main():
@@ -408,6 +408,14 @@ def test_sender_drains_the_stream_after_a_failed_bucket(recording, monkeypatch):
 class FailingAtOne(RecordingTransport):
     def __init__(self, *, engines) -> None:
         super().__init__(engines=engines, fail_at=1)
+
+
+async def open_recording_rank(*, engines, setup):
+    return source_rank(RecordingTransport, engines=engines, setup=setup)
+
+
+async def open_failing_rank(*, engines, setup):
+    return source_rank(FailingAtOne, engines=engines, setup=setup)
 
 
 def test_sender_refuses_a_repeated_tensor_before_sending_it(recording):

@@ -70,7 +70,7 @@ from miles_sync.wire.protocol import (
     role_kind,
     selector_roles,
 )
-from miles_sync.wire.text import shorten
+from miles_sync.wire.text import raise_if, shorten
 
 __all__ = ["ReferenceEngine"]
 
@@ -128,8 +128,7 @@ class ReferenceEngine:
             problems.append(f"draft_kind {draft_kind.value!r} with{'' if draft is not None else 'out'} a draft runner")
         if collective_timeout_s <= 0:
             problems.append(f"collective_timeout_s={collective_timeout_s} must be > 0")
-        if problems:
-            raise ValueError("invalid reference engine: " + "; ".join(problems))
+        raise_if(problems, what="invalid reference engine")
         self._runners: dict[Role, ServedRunner] = {Role.TARGET: target}
         if draft is not None:
             self._runners[Role.DRAFT] = draft
@@ -455,11 +454,6 @@ class ReferenceEngine:
         except ValueError as exc:
             return LoRAUpdateResult(success=False, error_message=str(exc), loaded_adapters=self._loaded(adapters))
         return LoRAUpdateResult(success=True, loaded_adapters=self._loaded(adapters))
-
-    @property
-    def lora_adapters(self) -> tuple[str, ...]:
-        """Names of the loaded adapters (empty without LoRA)."""
-        return () if self._adapters is None else self._adapters.names
 
     def _require_adapters(self) -> Any:
         if self._adapters is None:

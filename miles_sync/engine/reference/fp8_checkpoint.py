@@ -24,6 +24,7 @@ from miles_sync.weights.fp8 import (
     quantization_config,
     quantize_named,
 )
+from miles_sync.wire.text import raise_if
 
 __all__ = ["default_block", "fp8_checkpoint", "fp8_serving_problems"]
 
@@ -44,8 +45,7 @@ def fp8_checkpoint(src: str | os.PathLike, spec: Fp8Block) -> Path:
     if block_from_config(config) is not None:
         raise ValueError(f"checkpoint {str(src)!r} is quantized already: {config['quantization_config']}")
     problems = fp8_serving_problems(config, tp_size=1, spec=spec)
-    if problems:
-        raise ValueError(f"cannot quantize {str(src)!r} to block FP8 {list(spec.block)}: " + "; ".join(problems))
+    raise_if(problems, what=f"cannot quantize {str(src)!r} to block FP8 {list(spec.block)}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=src.parent))
     try:
         for item in src.iterdir():

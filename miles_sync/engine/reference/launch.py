@@ -14,6 +14,7 @@ from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABL
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import ChecksumNames
+from miles_sync.wire.text import raise_if
 
 __all__ = ["ReferenceEngineSpec"]
 
@@ -72,8 +73,7 @@ class ReferenceEngineSpec:
             problems.append(f"checksum_names={self.checksum_names.value!r} needs tp_size 1: TP ranks hold shards")
         if (self.draft_dir is not None) != (DraftKind(self.draft_kind) is DraftKind.STANDALONE):
             problems.append(f"draft_dir={self.draft_dir!r} must be given exactly for draft_kind 'standalone'")
-        if problems:
-            raise ValueError("invalid ReferenceEngineSpec: " + "; ".join(problems))
+        raise_if(problems, what="invalid ReferenceEngineSpec")
 
     def command(self, *, host: str) -> LaunchCommand:
         argv = [

@@ -37,6 +37,7 @@ from miles_sync.engine.settings import LoraSettings
 from miles_sync.weights.checksum import raw_sha256
 from miles_sync.weights.engine_layout import ShardKind, TPShape, shard_kind, shard_tensor
 from miles_sync.wire.payload import decode_payload
+from miles_sync.wire.text import raise_if
 
 __all__ = [
     "LORA_TARGET_MODULES",
@@ -142,8 +143,7 @@ class AdapterConfig:
             targets = [targets]
         if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
             problems.append(f"target_modules={targets!r} must be a non-empty list of module names")
-        if problems:
-            raise ValueError(f"Failed to load {name}: " + "; ".join(problems))
+        raise_if(problems, what=f"Failed to load {name}")
         return cls(
             rank=rank, alpha=float(alpha), target_modules=frozenset(targets), use_rslora=bool(config.get("use_rslora"))
         )
@@ -263,8 +263,7 @@ class AdapterSet:
                 problems.append(f"module {module!r}: " + ", ".join(bad))
                 continue
             deltas[module] = self._slice(module, ab["A"], ab["B"], scale=config.scale)
-        if problems:
-            raise ValueError(f"Failed to load LoRA adapter {name}: " + "; ".join(problems))
+        raise_if(problems, what=f"Failed to load LoRA adapter {name}")
         num_bytes = sum(t.numel() * t.element_size() for t in named.values())
         return PreparedAdapter(name=name, deltas=deltas, num_bytes=num_bytes)
 

@@ -43,6 +43,7 @@ from miles_sync.weights.engine_layout import (
     tp_problems,
 )
 from miles_sync.wire.bucket import TensorMeta
+from miles_sync.wire.text import raise_if
 
 __all__ = ["ShardedCausalLM", "ShardedMTPHead", "rank_config"]
 
@@ -144,8 +145,7 @@ def rank_config(config, *, tp_size: int):
     naming every dimension when the shape does not split at `tp_size`."""
     shape = TPShape.from_config(config)
     problems = tp_problems(shape, tp_size)
-    if problems:
-        raise ValueError(f"cannot split a {config.model_type} model at tp_size={tp_size}: " + "; ".join(problems))
+    raise_if(problems, what=f"cannot split a {config.model_type} model at tp_size={tp_size}")
     local = copy.deepcopy(config)
     local.num_attention_heads = shape.num_attention_heads // tp_size
     local.num_key_value_heads = shape.kv_heads_per_rank(tp_size)

@@ -62,7 +62,7 @@ from miles_sync.weights.fp8 import (
 from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
-from miles_sync.wire.text import shorten
+from miles_sync.wire.text import raise_if, shorten
 
 __all__ = [
     "DRAFT_KINDS",
@@ -188,8 +188,7 @@ class Runner(StoredRunner):
                     f"{name}: expected shape {tuple(stored.shape)} dtype {dtype_str(stored.dtype)}, "
                     f"got shape {tuple(tensor.shape)} dtype {dtype_str(tensor.dtype)}"
                 )
-        if problems:
-            raise ValueError(f"{self.role} runner rejected the payload: " + "; ".join(problems))
+        raise_if(problems, what=f"{self.role} runner rejected the payload")
         with self.weights_lock:
             for name, tensor in owned:
                 self._stored[name].copy_(tensor)
@@ -255,8 +254,7 @@ class Runner(StoredRunner):
                 problems.append(f"{name}: not owned")
             elif tuple(tensor.shape) != tuple(stored.shape) or tensor.dtype != stored.dtype:
                 problems.append(f"{name}: expected shape {tuple(stored.shape)} dtype {dtype_str(stored.dtype)}")
-        if problems:
-            raise ValueError(f"{self.role} runner cannot overwrite: " + "; ".join(problems))
+        raise_if(problems, what=f"{self.role} runner cannot overwrite")
         with self.weights_lock:  # one critical section: no forward sees new bytes under an old compute view
             for name, tensor in named:
                 self._stored[name].copy_(tensor)

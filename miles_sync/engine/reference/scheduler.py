@@ -46,6 +46,7 @@ from miles_sync.wire.protocol import (
     SamplingParams,
     WeightVersionSpan,
 )
+from miles_sync.wire.text import raise_if
 
 __all__ = ["Scheduler", "choose_token"]
 
@@ -126,8 +127,7 @@ class Scheduler:
             problems.append(f"max_running={max_running} must be at least 1")
         if kind == "none" and draft is not None:
             problems.append("draft_kind 'none' with a draft runner")
-        if problems:
-            raise ValueError("invalid scheduler: " + "; ".join(problems))
+        raise_if(problems, what="invalid scheduler")
         self._target = target
         self._draft = draft
         self._proposer: Proposer | None = (
@@ -205,8 +205,7 @@ class Scheduler:
                     f"lora_path {request.lora_path!r}: the following requested LoRA adapters are not loaded "
                     f"(loaded: {sorted(self._adapters.names)})"
                 )
-        if problems:
-            raise ValueError("invalid generate request: " + "; ".join(problems))
+        raise_if(problems, what="invalid generate request")
         return prompt
 
     # ---- control ----------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.dtypes import config_dtype, dtype_name
 from miles_sync.wire.protocol import ChecksumNames, Role
+from miles_sync.wire.text import raise_if
 
 __all__ = ["DRAFT_ROLES", "build_engine", "main", "parse_args"]
 
@@ -233,8 +234,7 @@ def _check_quantization(args: argparse.Namespace) -> None:
     problems = fp8_serving_problems(config, tp_size=args.tp_size)
     if args.tp_size > 1:
         problems.append(f"the reference engine serves block FP8 at --tp-size 1 only, not {args.tp_size}")
-    if problems:
-        raise ValueError(f"cannot serve the block-FP8 checkpoint {args.model}: " + "; ".join(problems))
+    raise_if(problems, what=f"cannot serve the block-FP8 checkpoint {args.model}")
 
 
 async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:

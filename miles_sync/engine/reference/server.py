@@ -66,8 +66,6 @@ logger = logging.getLogger(__name__)
 
 HEALTH_PATHS = frozenset({"/health", "/health_generate"})
 ADMIN_PATHS = frozenset({*ENDPOINTS, "/flush_cache"} - NORMAL_PATHS - HEALTH_PATHS)
-# /get_server_info key naming what /weights_checker checksum answers ("hf" or "engine"). A real SGLang server
-# lacks it, and always answers engine names.
 
 
 class AuthLevel(WireEnum):

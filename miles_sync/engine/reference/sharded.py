@@ -40,6 +40,7 @@ from miles_sync.weights.engine_layout import (
 from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
+from miles_sync.wire.text import raise_if
 
 __all__ = ["ShardedRunner", "load_sharded_runners"]
 
@@ -157,8 +158,7 @@ class ShardedRunner(StoredRunner):
                     f"{name}: expected shape {meta.shape} dtype {dtype_str(meta.dtype)}, "
                     f"got shape {tuple(tensor.shape)} dtype {dtype_str(tensor.dtype)}"
                 )
-        if problems:
-            raise ValueError(f"{self.role} runner rejected the payload: " + "; ".join(problems))
+        raise_if(problems, what=f"{self.role} runner rejected the payload")
         with self.weights_lock:
             for name, tensor in owned:
                 region = self._region(self._part_of[name])
@@ -226,8 +226,7 @@ class ShardedRunner(StoredRunner):
                 problems.append(f"{name}: not an engine parameter of this runner")
             elif tuple(tensor.shape) != tuple(stored.shape) or tensor.dtype != stored.dtype:
                 problems.append(f"{name}: expected shape {tuple(stored.shape)} dtype {dtype_str(stored.dtype)}")
-        if problems:
-            raise ValueError(f"{self.role} runner cannot overwrite: " + "; ".join(problems))
+        raise_if(problems, what=f"{self.role} runner cannot overwrite")
         with self.weights_lock:
             for name, tensor in named:
                 self._stored[name].copy_(tensor)
@@ -297,8 +296,7 @@ def load_sharded_runners(
     if kind == "standalone":
         models.append((f"standalone draft model {str(draft_path)!r}", read_config(draft_path)))
     problems = [f"{what}: {p}" for what, cfg in models for p in tp_problems(TPShape.from_config(cfg), tp_size)]
-    if problems:
-        raise ValueError(f"cannot shard at tp_size={tp_size}: " + "; ".join(problems))
+    raise_if(problems, what=f"cannot shard at tp_size={tp_size}")
     tensors = read_safetensors(model_path)
     if kind == "mtp" and num_mtp_layers(config) < 1 and not any(n.startswith(mtp_prefix(config)) for n in tensors):
         raise ValueError(
