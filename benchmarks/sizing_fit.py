@@ -45,7 +45,7 @@ from _sync_models import MODELS, checkpoint_dir  # noqa: E402
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
 from miles_sync.sizing.collective import BroadcastAlgorithm, binomial_depth, broadcast_seconds  # noqa: E402
 from miles_sync.sizing.costs import Costs  # noqa: E402
-from miles_sync.sizing.projection import Cluster, EngineLayout, TrainerLayout, Transport, project  # noqa: E402
+from miles_sync.sizing.projection import Cluster, EngineFleet, TrainerLayout, Transport, project  # noqa: E402
 from miles_sync.sizing.shapes import model_shape  # noqa: E402
 
 MIB = 2**20
@@ -197,7 +197,7 @@ def predict(row: dict, costs: Costs) -> tuple[float, float, int]:
         model_shape(row["config"]),
         transport=TRANSPORTS[run.transport],
         trainer=TrainerLayout(),
-        engines=EngineLayout(count=run.engines, tp=1),
+        engines=EngineFleet(count=run.engines, tp=1),
         cluster=Cluster(link_gbps=costs.link_gbps, gpus_per_node=1, shared_cores=costs.shared_cores, shares_nic=False),
         costs=costs,
         bucket_bytes=run.bucket_mib * MIB,

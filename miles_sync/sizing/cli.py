@@ -24,7 +24,7 @@ from pathlib import Path
 
 from miles_sync.sizing.collective import BroadcastAlgorithm
 from miles_sync.sizing.costs import load_costs
-from miles_sync.sizing.projection import Cluster, EngineLayout, Projection, TrainerLayout, Transport, project
+from miles_sync.sizing.projection import Cluster, EngineFleet, Projection, TrainerLayout, Transport, project
 from miles_sync.sizing.published import figures_for
 from miles_sync.sizing.shapes import ExportDtype, model_shape
 
@@ -56,12 +56,12 @@ def parse_trainer(text: str) -> TrainerLayout:
     return TrainerLayout(**sizes)
 
 
-def parse_engines(text: str) -> EngineLayout:
+def parse_engines(text: str) -> EngineFleet:
     """`16x8`: 16 engines of TP 8 (a bare `16`: TP 1)."""
     match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*", text)
     if match is None:
         raise ValueError(f"--engines {text!r}: expected COUNTxTP, e.g. 16x8")
-    return EngineLayout(count=int(match.group(1)), tp=int(match.group(2) or 1))
+    return EngineFleet(count=int(match.group(1)), tp=int(match.group(2) or 1))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -46,7 +46,7 @@ from miles_sync.sizing.collective import BroadcastAlgorithm, broadcast_seconds
 from miles_sync.sizing.costs import Costs
 from miles_sync.sizing.shapes import ExportDtype, ModelShape
 
-__all__ = ["Cluster", "EngineLayout", "Projection", "TrainerLayout", "Transport", "project", "stage_of_layer"]
+__all__ = ["Cluster", "EngineFleet", "Projection", "TrainerLayout", "Transport", "project", "stage_of_layer"]
 
 
 class Transport(str, Enum):
@@ -74,7 +74,10 @@ class TrainerLayout:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineLayout:
+class EngineFleet:
+    """The engines a sync reaches: how many, each at which TP size (not miles_sync.sync.engine_digests.EngineLayout,
+    an engine's parameter layout)."""
+
     count: int = 1
     tp: int = 1
 
@@ -166,7 +169,7 @@ def project(
     *,
     transport: Transport,
     trainer: TrainerLayout,
-    engines: EngineLayout,
+    engines: EngineFleet,
     cluster: Cluster,
     costs: Costs,
     dtype: ExportDtype = ExportDtype.BF16,

@@ -12,7 +12,7 @@ import pytest
 from miles_sync.sizing.cli import main, parse_engines, parse_trainer, read_config
 from miles_sync.sizing.collective import BroadcastAlgorithm, binomial_depth, broadcast_seconds
 from miles_sync.sizing.costs import Costs, load_costs
-from miles_sync.sizing.projection import Cluster, EngineLayout, TrainerLayout, Transport, project
+from miles_sync.sizing.projection import Cluster, EngineFleet, TrainerLayout, Transport, project
 from miles_sync.sizing.published import PUBLISHED, figures_for
 from miles_sync.sizing.shapes import ExportDtype, TensorGroup, model_shape
 
@@ -145,7 +145,7 @@ def projected(transport=Transport.BROADCAST, *, engines=4, link=50.0, name="qwen
     return project(
         shape_of(name),
         transport=transport,
-        engines=EngineLayout(count=engines, tp=8),
+        engines=EngineFleet(count=engines, tp=8),
         cluster=Cluster(link_gbps=link, intra_gbps=400.0),
         **kw,
     )
@@ -203,7 +203,7 @@ def test_costs_round_trip_and_reject_bad_values(tmp_path):
 
 def test_layout_arguments_are_parsed_and_checked():
     assert parse_trainer("tp=8,pp=4,ep=8") == TrainerLayout(tp=8, pp=4, ep=8)
-    assert parse_engines("16x8") == EngineLayout(count=16, tp=8)
+    assert parse_engines("16x8") == EngineFleet(count=16, tp=8)
     with pytest.raises(ValueError, match="dp=2"):
         parse_trainer("tp=2,dp=2")
     with pytest.raises(ValueError, match="--engines"):
