@@ -37,7 +37,6 @@ __all__ = [
     "Transport",
     "TransportError",
     "TransportSpec",
-    "needs_update_group",
     "transport_spec",
 ]
 
@@ -160,11 +159,6 @@ def transport_spec(name: str) -> TransportSpec:
     if spec is None:
         raise ValueError(f"unknown transport {name!r}; registered: {', '.join(sorted(TRANSPORTS))}")
     return spec
-
-
-def needs_update_group(name: str) -> bool:
-    """Whether transport `name` broadcasts over an update group (so the controller plans a membership)."""
-    return transport_spec(name).needs_update_group
 
 
 class SourceRank(RankTransport):

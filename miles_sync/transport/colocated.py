@@ -48,7 +48,6 @@ __all__ = [
     "ColocatedRank",
     "open_colocated_rank",
     "BucketAnnouncement",
-    "ColocatedTransport",
     "FanOut",
     "FedPayload",
     "PostedPayload",
@@ -58,7 +57,6 @@ __all__ = [
     "find_source_rank",
     "flattened_metadata",
     "open_fan_out",
-    "single_source_fan_out",
 ]
 
 
@@ -462,49 +460,6 @@ def open_fan_out(
     if collectives is None:
         return None
     return FanOut(role=role, collectives=collectives, engines=engines, device=device)
-
-
-def single_source_fan_out(engines: Sequence[EngineTarget], *, device: torch.device | str = "cpu") -> FanOut:
-    """This process feeds and posts every engine rank from its own buffer (no group): the layout of callers that
-    gave no devices."""
-    role = FeedRole.single_source(tp_sizes=[e.tp_size for e in engines])
-    return FanOut(role=role, collectives=_Solo(), engines=engines, device=device)
-
-
-class ColocatedTransport:
-    """The source rank's colocated transport: each bucket through its FanOut; one bucket in flight at a time.
-
-    Without a `fan_out` it feeds and posts every engine rank itself (`FeedPlan.single_source`, no group).
-    """
-
-    name = "colocated"
-
-    def __init__(self, *, engines: Sequence[EngineTarget], fan_out: FanOut | None = None) -> None:
-        if not engines:
-            raise ValueError("ColocatedTransport needs at least one engine")
-        self._owns_fan_out = fan_out is None
-        if fan_out is None:
-            fan_out = single_source_fan_out(engines)
-        if not fan_out.is_source:
-            raise ValueError(f"rank {fan_out.role.rank} is not the export source {fan_out.role.source_rank}")
-        self._fan_out = fan_out
-
-    @property
-    def fan_out(self) -> FanOut:
-        return self._fan_out
-
-    async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> None:
-        if membership is not None:
-            raise ValueError("the colocated transport uses no update group; pass membership=None")
-        return None
-
-    async def send_bucket(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
-        await self._fan_out.lead(bucket, selector=selector, timeout_s=timeout_s)
-
-    async def close(self, *, timeout_s: float) -> None:
-        # A given fan-out (and its group) belongs to the sender, as do the pack buffers.
-        if self._owns_fan_out:
-            self._fan_out.close()
 
 
 class ColocatedRank(RankTransport):

@@ -17,7 +17,7 @@ from miles_sync.sync.packing import pair_with_plans
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.verify import checksum_problems
-from miles_sync.transport.base import TRANSPORTS, TransportError, TransportSpec, needs_update_group, source_rank
+from miles_sync.transport.base import TRANSPORTS, TransportError, TransportSpec, source_rank, transport_spec
 from miles_sync.transport.colocated import flattened_metadata
 from miles_sync.transport.distributed import bucket_request
 from miles_sync.transport.feeds import FeedRole
@@ -175,9 +175,9 @@ def test_membership_validation_names_every_problem():
 
 
 def test_transport_registry():
-    assert needs_update_group("distributed") and not needs_update_group("colocated")
+    assert transport_spec("distributed").needs_update_group and not transport_spec("colocated").needs_update_group
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; registered: colocated, distributed"):
-        needs_update_group("carrier-pigeon")
+        transport_spec("carrier-pigeon")
 
 
 # ---- verification ----------------------------------------------------------------------------------------------
