@@ -303,9 +303,8 @@ class SyncController:
         if not self._canary.is_enabled:
             return
         readings = await self._measure_canary(urls, baselines={})
-        for url in urls:
-            self._canary_baselines.pop(url, None)
-        self._canary_baselines = next_canary_baselines(self._canary_baselines, readings)
+        kept = {url: value for url, value in self._canary_baselines.items() if url not in urls}
+        self._canary_baselines = next_canary_baselines(kept, readings)
 
     async def _measure_canary(self, urls: Sequence[str], *, baselines: dict[str, float]) -> list[CanaryReading]:
         """The canary's requests on every engine in `urls`, each engine's mean judged against `baselines`; an

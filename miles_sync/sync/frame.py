@@ -319,9 +319,8 @@ def session_report(
 def fleet_verification(fleet: FleetSteps) -> str:
     """The checks that passed on any engine, "+"-joined: by the position each ran at, then by name (e.g.
     "mechanism+engine-exact+exact")."""
-    positions = {
-        check: min(i for s in fleet.state.values() for i, c in enumerate(s.checks) if c == check)
-        for state in fleet.state.values()
-        for check in state.checks
-    }
+    positions: dict[str, int] = {}
+    for state in fleet.state.values():
+        for i, check in enumerate(state.checks):
+            positions[check] = min(i, positions.get(check, i))
     return "+".join(sorted(positions, key=lambda check: (positions[check], check)))
