@@ -242,8 +242,6 @@ def checkpoint_dir(spec: ModelSpec | MoeModelSpec, cache_dir: str | os.PathLike)
     out = Path(cache_dir) / "bench_sync" / f"{spec.name}-{key.hexdigest()[:12]}"
     if (out / "model.safetensors").is_file():
         return out
-    from safetensors.torch import save_file
-
     generator = torch.Generator().manual_seed(0)
     tensors = {}
     for name, shape in tensor_specs(spec):
@@ -251,12 +249,20 @@ def checkpoint_dir(spec: ModelSpec | MoeModelSpec, cache_dir: str | os.PathLike)
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:
             tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+    return write_checkpoint(out, config=spec.config(), tensors=tensors)
+
+
+def write_checkpoint(out: Path, *, config, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write `config` (a transformers config) and `tensors` as the checkpoint `out`, atomically: into a temporary
+    directory first, renamed into place, so a concurrent run never sees a half-written checkpoint."""
+    from safetensors.torch import save_file
+
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in spec.config().to_diff_dict().items() if not k.startswith("_")}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    hf_config = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tmp.rename(out)  # a concurrent run never sees a half-written checkpoint
+    tmp.rename(out)
     return out
 
 
@@ -292,14 +298,23 @@ def tensor_sender(
     )
 
 
-def benchmark_controller(urls: list[str], source, *, transport: str, verify: bool, **controller) -> SyncController:
-    """The SyncController every benchmark sync runs under: no draft, requests retracted at the pause, the benchmark
-    timeouts, no progress bar; `controller`: further SyncController arguments (staged, group, quantization, ...)."""
+def benchmark_controller(
+    urls: list[str],
+    source,
+    *,
+    transport: str,
+    verify: bool,
+    selector_inputs: SelectorInputs = NO_DRAFT,
+    **controller,
+) -> SyncController:
+    """The SyncController every benchmark sync runs under: no draft unless `selector_inputs` say otherwise, requests
+    retracted at the pause, the benchmark timeouts, no progress bar; `controller`: further SyncController arguments
+    (staged, group, quantization, ...)."""
     return SyncController(
         engine_urls=urls,
         source=source,
         transport=transport,
-        selector_inputs=NO_DRAFT,
+        selector_inputs=selector_inputs,
         pause_mode=PauseMode.RETRACT,
         verify=verify,
         timeouts=TIMEOUTS,

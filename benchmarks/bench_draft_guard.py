@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sync_models import CALL_TIMEOUT_S, MODELS, TIMEOUTS, checkpoint_dir, tensor_sender  # noqa: E402
+from _sync_models import (  # noqa: E402
+    CALL_TIMEOUT_S,
+    MODELS,
+    benchmark_controller,
+    checkpoint_dir,
+    tensor_sender,
+    write_checkpoint,
+)
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.process import EngineLauncher
@@ -39,12 +45,12 @@ from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import MTPHead, read_safetensors
 from miles_sync.env import read_environment
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import GroupSettings, SyncController
+from miles_sync.sync.controller import GroupSettings
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
-from miles_sync.wire.protocol import PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
+from miles_sync.wire.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
 
 HOST = "127.0.0.1"
 ENGINES = 2
@@ -64,8 +70,6 @@ def mtp_checkpoint(name: str, cache: Path) -> Path:
     out = cache / "bench_draft_guard" / f"{name}-mtp-{key}"
     if (out / "model.safetensors").is_file():
         return out
-    from safetensors.torch import save_file
-
     config = MODELS[name].config()
     config.num_nextn_predict_layers = 1
     head = MTPHead(config, seed=1)
@@ -73,13 +77,7 @@ def mtp_checkpoint(name: str, cache: Path) -> Path:
         **read_safetensors(target),
         **{k: v.detach().to(torch.bfloat16) for k, v in head.hf_parameters().items()},
     }
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    hf_config = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tmp.rename(out)
-    return out
+    return write_checkpoint(out, config=config, tensors=tensors)
 
 
 async def checker_seconds(urls: Sequence[str], *, pairs: int) -> dict[str, list[float]]:
@@ -104,15 +102,12 @@ async def checker_seconds(urls: Sequence[str], *, pairs: int) -> dict[str, list[
 
 async def guarded_syncs(urls: Sequence[str], tensors: dict[str, torch.Tensor], *, repeats: int) -> list:
     source = tensor_sender(tensors, transport="distributed", hash_buckets=True)
-    controller = SyncController(
-        engine_urls=list(urls),
-        source=source,
+    controller = benchmark_controller(
+        list(urls),
+        source,
         transport="distributed",
-        selector_inputs=FROZEN_MTP,
-        pause_mode=PauseMode.RETRACT,
         verify=True,
-        timeouts=TIMEOUTS,
-        show_progress=False,
+        selector_inputs=FROZEN_MTP,
         group=GroupSettings(master_address=HOST),
     )
     await controller.connect()
