@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _sync_models import MODELS, checkpoint_dir, sync_series, tensor_sender  # noqa: E402
 
 from miles_sync.engine.process import EngineLauncher
-from miles_sync.engine.reference.fp8_checkpoint import fp8_checkpoint
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.env import read_environment
 from miles_sync.sync.controller import GroupSettings
 from miles_sync.sync.sender import Sender
 from miles_sync.weights.fp8 import Fp8Block
+from miles_sync.weights.fp8_checkpoint import fp8_checkpoint
 
 HOST = "127.0.0.1"
 

@@ -21,13 +21,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import ray
 
-from actors.trainer import TrainerGroup
 from launch.cluster import connect_ray
-from launch.fleet import start_job_actors
+from launch.fleet import JobActors, start_job_actors
 from miles_sync.config import MilesSyncConfig, SyncMode
 from miles_sync.engine.rollout import Sample
 from miles_sync.job.rl import grpo_batch
@@ -123,21 +122,12 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
 class _Fleet:
     """The running actors of one job: engines (launched or given as URLs), trainer ranks and the controller."""
 
-    def __init__(
-        self,
-        config: MilesSyncConfig,
-        *,
-        urls: Sequence[str],
-        trainers: TrainerGroup,
-        controller: Any,
-        log: Callable[[str], None],
-        nodes: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, config: MilesSyncConfig, actors: JobActors, *, log: Callable[[str], None]) -> None:
         self._config = config
-        self._urls = tuple(urls)
-        self.nodes = {} if nodes is None else nodes  # where each trainer rank and engine runs (report.json)
-        self._trainers = trainers
-        self._controller = controller
+        self._urls = actors.urls
+        self.nodes = actors.nodes  # where each trainer rank and engine runs (report.json)
+        self._trainers = actors.trainers
+        self._controller = actors.controller
         self._log = log
         self._sync_timeout_s = config.sync.sync_timeout_s + _ROUND_MARGIN_S
         # sync.mode=lora: rollouts name the adapter of the last committed version (adapter_name) once a sync loaded
@@ -149,14 +139,7 @@ class _Fleet:
     @contextlib.contextmanager
     def start(cls, config: MilesSyncConfig, *, log: Callable[[str], None]) -> Iterator[_Fleet]:
         with start_job_actors(config, log=log) as actors:
-            yield cls(
-                config,
-                urls=actors.urls,
-                trainers=actors.trainers,
-                controller=actors.controller,
-                log=log,
-                nodes=actors.nodes,
-            )
+            yield cls(config, actors, log=log)
 
     def sync_starting_weights(self) -> None:
         """Servers given by URL may serve anything (reused servers served an earlier run's last weights, 8.6 nats

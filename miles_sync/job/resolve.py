@@ -19,10 +19,10 @@ from typing import Any
 from miles_sync.config import MilesSyncConfig, SyncMode
 from miles_sync.engine.kinds import EngineKind
 from miles_sync.engine.reference.checkpoints import BUILT_IN_ARCHS, cached_checkpoints
-from miles_sync.engine.reference.fp8_checkpoint import default_block, fp8_checkpoint, fp8_serving_problems
 from miles_sync.engine.settings import EngineSettings
 from miles_sync.env import read_environment
 from miles_sync.megatron.lora import LoraSpec
+from miles_sync.weights.fp8_checkpoint import default_block, fp8_checkpoint, fp8_serving_problems
 from miles_sync.wire.text import raise_if
 
 __all__ = ["ResolvedJob", "engine_device", "engine_settings", "resolve_job", "trainer_lora"]

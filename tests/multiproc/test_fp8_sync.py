@@ -13,13 +13,13 @@ from reference_server import reference_server
 from sender_host import ProcessSource, SenderSettings, exported_names, load_checkpoint, weights_at_step
 
 from miles_sync.engine.client import EngineClient
-from miles_sync.engine.reference.fp8_checkpoint import fp8_checkpoint
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController, SyncError
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.weights.fp8 import Fp8Block, is_quantized_weight, quantize, scale_name
+from miles_sync.weights.fp8_checkpoint import fp8_checkpoint
 from miles_sync.wire.protocol import (
     GenerateRequest,
     PauseMode,

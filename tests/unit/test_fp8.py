@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_sync.engine.reference.fp8_checkpoint import default_block, fp8_serving_problems
 from miles_sync.export.units import ExportedUnit, quantize_unit, quantized_unit_meta, units_from_hf_tensors
 from miles_sync.sync.buffers import FreshBuffers
 from miles_sync.sync.packing import PackStream, bucket_tensors
@@ -29,6 +28,7 @@ from miles_sync.weights.fp8 import (
     scale_name,
     scale_shape,
 )
+from miles_sync.weights.fp8_checkpoint import default_block, fp8_serving_problems
 from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 HEADERS = Path(__file__).parent.parent / "data" / "fp8_checkpoint_headers.json"

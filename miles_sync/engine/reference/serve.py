@@ -41,7 +41,6 @@ import torch
 from aiohttp import web
 
 from miles_sync.engine.reference.engine import ReferenceEngine
-from miles_sync.engine.reference.fp8_checkpoint import fp8_serving_problems
 from miles_sync.engine.reference.lora import (
     LORA_TARGET_MODULES,
     LocalAdapters,
@@ -57,6 +56,7 @@ from miles_sync.engine.settings import FinalizePolicy, LoraSettings
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, read_environment
 from miles_sync.weights.engine_layout import TPShape, tp_problems
 from miles_sync.weights.fp8 import block_from_config
+from miles_sync.weights.fp8_checkpoint import fp8_serving_problems
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.dtypes import config_dtype, dtype_name

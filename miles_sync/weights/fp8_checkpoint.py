@@ -1,11 +1,11 @@
-"""Block-FP8 checkpoints for the reference engine: a copy of a checkpoint with its linear weights quantized, and the
-start-up check SGLang's block-FP8 loader makes.
+"""Block-FP8 checkpoints for any engine kind: a copy of a checkpoint with its linear weights quantized, and the
+start-up check SGLang's block-FP8 loader makes (the reference engine makes the same one).
 
 `fp8_checkpoint` writes `<src>-fp8-<rows>x<cols>-v<format>` next to a checkpoint once (atomically: a temporary directory
 renamed into place), with every quantized weight (`miles_sync.weights.fp8.is_quantized_weight`) in float8_e4m3fn
 plus its float32 `weight_scale_inv`, every other tensor and file unchanged, and config.json declaring the
 `quantization_config` of DeepSeek-V3 / Qwen3-FP8 checkpoints. An engine serving it serves block FP8, which is how a
-job chooses FP8 rollouts: the engine's quantization follows its checkpoint, as SGLang's does.
+job chooses FP8 rollouts: the engine's quantization follows its checkpoint (SGLang's and the reference engine's).
 """
 
 from __future__ import annotations

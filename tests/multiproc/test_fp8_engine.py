@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_sync.engine.reference.fp8_checkpoint import fp8_checkpoint
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.engine.reference.runner import load_runners, load_target_runner
 from miles_sync.engine.reference.weights_checker import WeightsChecker
@@ -24,6 +23,7 @@ from miles_sync.weights.fp8 import (
     scale_name,
     sglang_dequantized,
 )
+from miles_sync.weights.fp8_checkpoint import fp8_checkpoint
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.api import ServerInfo
 from miles_sync.wire.protocol import ChecksumNames, Role, WeightsCheckerAction, WeightsCheckerRequest
