@@ -52,11 +52,7 @@ from miles_sync.wire.protocol import (
     WeightVersionResult,
 )
 
-__all__ = [
-    "CONTROL_ENDPOINTS",
-    "SESSION_ENDPOINTS",
-    "EngineClient",
-]
+__all__ = ["CONTROL_ENDPOINTS", "EngineClient"]
 
 R = TypeVar("R")
 

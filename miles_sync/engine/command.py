@@ -6,7 +6,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["LaunchCommand", "reserve_port", "url_host"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 
 @dataclass(frozen=True, kw_only=True)

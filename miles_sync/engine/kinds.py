@@ -15,7 +15,7 @@ from miles_sync.engine.settings import EngineSettings
 from miles_sync.engine.sglang import SGLangEngineSpec
 from miles_sync.wire.codec import WireEnum
 
-__all__ = ["ENGINE_KINDS", "EngineKind", "EngineSpec", "engine_spec"]
+__all__ = ["EngineKind", "EngineSpec", "engine_spec"]
 
 
 class EngineKind(WireEnum):

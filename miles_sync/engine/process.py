@@ -23,7 +23,7 @@ from miles_sync.engine.kinds import EngineSpec
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, LOOPBACK_HOST
 from miles_sync.wire.text import raise_if
 
-__all__ = ["EngineLauncher", "EngineStartError"]
+__all__ = ["EngineLauncher"]
 
 _LISTENING = "listening on "
 _HEALTH_POLL_S = 0.1

@@ -39,14 +39,7 @@ from miles_sync.env import (
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.text import raise_if
 
-__all__ = [
-    "CPU_FLAGS",
-    "SGLANG_DRAFT_KINDS",
-    "SGLANG_LAUNCH_MODULE",
-    "SGLangEngineSpec",
-    "cpu_environment",
-    "sglang_speculative_problems",
-]
+__all__ = ["sglang_speculative_problems"]
 
 # SGLang's algorithm names and the drafts each runs: NEXTN is EAGLE over the MTP layers of the target checkpoint;
 # EAGLE takes those (DeepSeek-style MTP) or a separate EAGLE head; EAGLE3 and STANDALONE a separate draft model;

@@ -18,7 +18,7 @@ import sys
 
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
 
-__all__ = ["KEY_FLAGS", "SGLANG_MODULE", "server_argv"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 SGLANG_MODULE = "sglang.launch_server"
 KEY_FLAGS = {ENGINE_API_KEY_VARIABLE: "--api-key", ENGINE_ADMIN_API_KEY_VARIABLE: "--admin-api-key"}

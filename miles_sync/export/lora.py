@@ -24,7 +24,7 @@ from miles_sync.export.converter import Converter
 from miles_sync.export.stage import collect_local_params
 from miles_sync.megatron.lora import HF_TARGETS, LoraAdapters, LoraSpec
 
-__all__ = ["PEFT_PREFIX", "gather_peft_adapter", "peft_adapter_config", "peft_names"]
+__all__ = ["gather_peft_adapter", "peft_adapter_config"]
 
 PEFT_PREFIX = "base_model.model."
 

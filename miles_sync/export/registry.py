@@ -15,7 +15,7 @@ from miles_sync.wire.bucket import AtomicUnit
 from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.dtypes import config_dtype
 
-__all__ = ["EXPORTERS", "ConversionMode", "ExportStream", "Exporter", "build_exporter"]
+__all__ = ["ConversionMode", "build_exporter"]
 
 
 class ConversionMode(WireEnum):

@@ -26,18 +26,13 @@ from miles_sync.transport.feeds import Device, FeedPlan, plan_feeds
 from miles_sync.wire.text import raise_if
 
 __all__ = [
+    "ActorSlot",
     "DEFAULT_ENGINE_RESOURCES",
     "DEFAULT_TRAINER_RESOURCES",
-    "ActorRole",
-    "ActorSlot",
-    "BundleGroup",
-    "PlacementLayout",
     "PlacementPlan",
     "Resources",
     "job_feed_plan",
     "job_placement",
-    "plan_colocated_feeds",
-    "plan_placement",
 ]
 
 

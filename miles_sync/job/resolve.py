@@ -25,7 +25,7 @@ from miles_sync.megatron.lora import LoraSpec
 from miles_sync.weights.fp8_checkpoint import default_block, fp8_checkpoint, fp8_serving_problems
 from miles_sync.wire.text import raise_if
 
-__all__ = ["ResolvedJob", "engine_device", "engine_settings", "resolve_job", "trainer_lora"]
+__all__ = ["engine_device", "engine_settings", "resolve_job", "trainer_lora"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,19 +19,7 @@ from miles_sync.engine.reference.checkpoints import LanguageRecipe, next_token
 from miles_sync.engine.rollout import Sample
 from miles_sync.job.trainer import TrainBatch
 
-__all__ = [
-    "LANGUAGE",
-    "REWARD_MODULUS",
-    "TARGET_RESIDUE",
-    "group_advantages",
-    "grpo_batch",
-    "make_prompts",
-    "mean_accept_length",
-    "reward",
-    "rule_share",
-    "sampling_seed",
-    "train_batch",
-]
+__all__ = ["grpo_batch", "make_prompts"]
 
 LANGUAGE = LanguageRecipe()
 REWARD_MODULUS = 4

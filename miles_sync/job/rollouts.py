@@ -15,7 +15,7 @@ from miles_sync.job.run_report import RolloutStats
 from miles_sync.job.trainer import CompletionLogprobs, ScoreBatch
 from miles_sync.wire.protocol import SamplingParams
 
-__all__ = ["Requests", "generate_rollouts", "mean_reward", "round_requests", "rollout_stats", "score_batch"]
+__all__ = ["generate_rollouts", "rollout_stats", "round_requests", "score_batch"]
 
 # Per engine, its (prompt, sampling) pairs.
 Requests = list[list[tuple[list[int], SamplingParams]]]

@@ -34,16 +34,7 @@ from torch import nn
 
 from miles_sync.wire.text import raise_if
 
-__all__ = [
-    "COLUMN_MODULES",
-    "HF_TARGETS",
-    "ROW_MODULES",
-    "LoraAdapters",
-    "LoraSpec",
-    "ParallelLoraAdapter",
-    "apply_lora",
-    "reduce_adapter_gradients",
-]
+__all__ = ["HF_TARGETS", "LoraAdapters", "LoraSpec", "apply_lora", "reduce_adapter_gradients"]
 
 # megatron module leaf -> the HF modules it fuses (in megatron's fused order).
 HF_TARGETS: dict[str, tuple[str, ...]] = {

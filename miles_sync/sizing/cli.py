@@ -28,7 +28,7 @@ from miles_sync.sizing.projection import Cluster, EngineFleet, Projection, Train
 from miles_sync.sizing.published import figures_for
 from miles_sync.sizing.shapes import ExportDtype, model_shape
 
-__all__ = ["CONFIG_DIR", "main", "parse_engines", "parse_trainer", "read_config"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sizing
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 GB = 1e9

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from enum import Enum
 
-__all__ = ["NCCL_CHUNK_BYTES", "BroadcastAlgorithm", "binomial_depth", "broadcast_seconds"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sizing
 
 NCCL_CHUNK_BYTES = 512 * 1024
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from miles_sync.sizing.collective import BroadcastAlgorithm
 
-__all__ = ["REFERENCE_COSTS", "Costs", "load_costs"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sizing
 
 REFERENCE_COSTS = Path(__file__).resolve().parent / "costs_reference.json"
 

@@ -46,7 +46,7 @@ from miles_sync.sizing.collective import BroadcastAlgorithm, broadcast_seconds
 from miles_sync.sizing.costs import Costs
 from miles_sync.sizing.shapes import ExportDtype, ModelShape
 
-__all__ = ["Cluster", "EngineFleet", "Projection", "TrainerLayout", "Transport", "project", "stage_of_layer"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sizing
 
 
 class Transport(str, Enum):

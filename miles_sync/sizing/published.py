@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PUBLISHED", "PublishedFigure", "figures_for"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sizing
 
 MILES_P2P_DOC = "radixark/miles docs/advanced/p2p-weight-transfer.md"
 MILES_755 = "github.com/radixark/miles/issues/755"

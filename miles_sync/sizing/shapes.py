@@ -31,16 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = [
-    "DENSE_TYPES",
-    "FP8_BLOCK",
-    "MLA_TYPES",
-    "MOE_TYPES",
-    "ExportDtype",
-    "ModelShape",
-    "TensorGroup",
-    "model_shape",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sizing
 
 DENSE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe"})

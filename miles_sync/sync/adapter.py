@@ -21,7 +21,7 @@ from miles_sync.wire.bucket import pack_bucket
 from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, encode_named_tensor_dict
 from miles_sync.wire.protocol import LoadFormat, LoadLoRAAdapterFromTensorsRequest
 
-__all__ = ["AdapterPayload", "adapter_sha256", "encode_adapter"]
+__all__ = ["AdapterPayload"]
 
 
 def adapter_sha256(tensor: torch.Tensor) -> str:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BucketBuffers", "DoubleBuffer", "FreshBuffers", "byte_buffer", "trim_heap"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 
 class BucketBuffers(Protocol):

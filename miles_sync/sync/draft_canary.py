@@ -25,15 +25,7 @@ from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.protocol import GenerateRequest, SamplingParams
 from miles_sync.wire.text import raise_if
 
-__all__ = [
-    "CanaryMode",
-    "CanaryReading",
-    "CanarySettings",
-    "canary_requests",
-    "mean_reading",
-    "judge_reading",
-    "next_baselines",
-]
+__all__ = ["CanaryMode", "CanarySettings"]
 
 
 class CanaryMode(WireEnum):

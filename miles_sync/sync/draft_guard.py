@@ -17,14 +17,7 @@ from miles_sync.sync.verify import ranks_by_tp_rank
 from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_role, role_kind, selector_roles
 from miles_sync.wire.text import shorten
 
-__all__ = [
-    "DRAFT_UNCHANGED",
-    "DraftDigests",
-    "draft_changes",
-    "draft_digests",
-    "guards_draft",
-    "summarize_changes",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 # Per engine TP rank (tp_rank order), the draft roles' entries of the checker's answer: {reported name: digest}.
 DraftDigests = tuple[dict[str, str], ...]

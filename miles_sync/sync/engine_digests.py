@@ -56,18 +56,7 @@ from miles_sync.wire.api import EngineAPI, ServerInfo
 from miles_sync.wire.draft import DraftReport
 from miles_sync.wire.protocol import ChecksumNames, Role, Selector, selector_roles
 
-__all__ = [
-    "MODELED_MODEL_TYPES",
-    "EngineDigestPlan",
-    "EngineDigester",
-    "EngineLayout",
-    "FleetLayouts",
-    "PredictedDigests",
-    "engine_layout",
-    "plan_engine_digests",
-    "read_model_config",
-    "served_weight_layout",
-]
+__all__ = ["EngineDigestPlan"]
 
 logger = logging.getLogger(__name__)
 

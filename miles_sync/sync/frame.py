@@ -28,17 +28,7 @@ from miles_sync.sync.weight_source import SendResult
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import PauseMode, Selector
 
-__all__ = [
-    "RESET_STEP",
-    "EngineState",
-    "FleetSteps",
-    "PhaseClock",
-    "SessionError",
-    "SessionRun",
-    "SessionTimeouts",
-    "run_in_frame",
-    "session_report",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 RESET_STEP = "mechanism-reset"  # once attempted, an incomplete session leaves every engine paused
 # The engine client bounds every call by the session's control timeout; the frame's own deadline sits behind it, so

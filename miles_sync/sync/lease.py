@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-__all__ = ["Lease", "LeaseBusyError", "LeaseHold", "LeaseLostError", "SyncLease"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 
 class LeaseBusyError(RuntimeError):

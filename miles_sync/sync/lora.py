@@ -45,7 +45,7 @@ from miles_sync.wire.protocol import (
     WeightsCheckerRequest,
 )
 
-__all__ = ["LORA_TRANSPORT", "adapter_name", "run_lora_sync_session"]
+__all__ = ["adapter_name"]
 
 LORA_TRANSPORT = "lora"  # the report's transport name
 

@@ -24,7 +24,7 @@ from miles_sync.weights.checksum import tensor_checksum
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.bucket import FlattenedBucket, pack_bucket, unpack_bucket
 
-__all__ = ["PackStream", "PackedBucket", "StagedStream", "bucket_checksums", "bucket_tensors", "pair_with_plans"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 
 def pair_with_plans(

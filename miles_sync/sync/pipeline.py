@@ -33,7 +33,7 @@ from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
-__all__ = ["PipelineSource", "stage_group_name", "stage_group_names"]
+__all__ = ["PipelineSource"]
 
 
 def stage_group_name(group_name: str, *, stage: int, num_stages: int) -> str:

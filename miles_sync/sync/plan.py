@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from miles_sync.wire.bucket import AtomicUnit
 
-__all__ = ["BucketPlan", "plan_buckets"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,17 +15,7 @@ from miles_sync.sync.draft_canary import CanaryReading
 from miles_sync.wire.codec import decode, encode
 from miles_sync.wire.protocol import Selector
 
-__all__ = [
-    "BucketProgress",
-    "EngineResult",
-    "InIndexOrder",
-    "PhaseTimes",
-    "SyncProgress",
-    "ProgressBar",
-    "SyncReport",
-    "decode_report",
-    "encode_report",
-]
+__all__ = ["BucketProgress", "EngineResult", "InIndexOrder", "ProgressBar", "SyncReport"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,7 @@ from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.protocol import Selector
 from miles_sync.wire.text import raise_if
 
-__all__ = ["Sender", "SenderSettings"]
+__all__ = ["SenderSettings"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,14 +75,7 @@ from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
 from miles_sync.wire.text import raise_if
 
-__all__ = [
-    "EngineBaseline",
-    "SelectorInputs",
-    "SessionError",
-    "SessionTimeouts",
-    "choose_selector",
-    "run_sync_session",
-]
+__all__ = ["SelectorInputs", "SessionTimeouts"]
 
 
 @dataclass(frozen=True, kw_only=True)

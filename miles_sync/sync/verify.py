@@ -31,22 +31,7 @@ from miles_sync.weights.checksum import compare_checksums, sglang_parameter_name
 from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_role, role_kind, selector_roles
 from miles_sync.wire.text import shorten
 
-__all__ = [
-    "DRAFT_GUARD",
-    "ENGINE_EXACT",
-    "EXACT",
-    "REPLICA",
-    "UNVERIFIED",
-    "Verdict",
-    "checksum_problems",
-    "engine_exact_problems",
-    "fleet_verdicts",
-    "has_cpu_digests",
-    "ranks_by_tp_rank",
-    "replica_verdicts",
-    "selected_checksums",
-    "weights_digest",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 EXACT = "exact"
 ENGINE_EXACT = "engine-exact"

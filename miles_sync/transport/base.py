@@ -28,15 +28,10 @@ from miles_sync.wire.protocol import Selector
 __all__ = [
     "RankSetup",
     "RankTransport",
-    "SourceRank",
-    "open_rank_transport",
-    "source_rank",
-    "TransportKind",
     "TRANSPORTS",
-    "EngineTarget",
-    "Transport",
-    "TransportError",
+    "TransportKind",
     "TransportSpec",
+    "open_rank_transport",
     "transport_spec",
 ]
 

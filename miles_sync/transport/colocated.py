@@ -44,20 +44,7 @@ from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
 from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
 from miles_sync.wire.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
 
-__all__ = [
-    "ColocatedRank",
-    "open_colocated_rank",
-    "BucketAnnouncement",
-    "FanOut",
-    "FedPayload",
-    "PostedPayload",
-    "RankHandles",
-    "RankOutcomes",
-    "SendEnd",
-    "find_source_rank",
-    "flattened_metadata",
-    "open_fan_out",
-]
+__all__ = ["PostedPayload", "find_source_rank"]
 
 
 def flattened_metadata(bucket: FlattenedBucket) -> list[FlattenedTensorMetadata]:

@@ -38,7 +38,7 @@ from miles_sync.wire.protocol import (
     UpdateWeightsFromDistributedRequest,
 )
 
-__all__ = ["DistributedTransport", "bucket_request", "open_distributed_rank"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.transport
 
 # How long to wait for the other engines' answers once the broadcast itself failed: they cannot succeed, we only
 # want their messages for the error (an engine that received nothing answers when the group is torn down).

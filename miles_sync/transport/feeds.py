@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.wire.text import raise_if
 
-__all__ = ["Device", "EngineFeed", "FeedPlan", "FeedRole", "feed_node_problems", "plan_feeds"]
+__all__ = ["Device", "FeedPlan", "FeedRole", "feed_node_problems", "plan_feeds"]
 
 
 @dataclass(frozen=True, kw_only=True, order=True)

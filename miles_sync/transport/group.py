@@ -25,7 +25,7 @@ import torch.distributed as dist
 from miles_sync.env import LOOPBACK_HOST, configured_host, is_loopback, is_wildcard
 from miles_sync.wire.text import raise_if
 
-__all__ = ["UpdateGroup", "create_update_group", "gloo_device", "start_store_server"]
+__all__ = ["UpdateGroup", "create_update_group", "start_store_server"]
 
 _BACKENDS = ("gloo", "nccl")
 

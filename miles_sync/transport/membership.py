@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from miles_sync.wire.protocol import InitWeightsUpdateGroupRequest
 from miles_sync.wire.text import raise_if
 
-__all__ = ["EngineEndpoint", "EngineRanks", "GroupMembership", "plan_membership"]
+__all__ = ["EngineEndpoint", "GroupMembership", "plan_membership"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,11 +26,8 @@ from miles_sync.weights.layout import WeightLayout, undo_layout
 from miles_sync.wire.dtypes import dtype_name
 
 __all__ = [
-    "DRAFT_PREFIX",
-    "ROLES",
     "compare_checksums",
     "engine_digest",
-    "logical_checksum",
     "raw_sha256",
     "role_checksums",
     "sglang_engine_checksum",

@@ -40,19 +40,7 @@ from miles_sync.weights.checksum import (
 )
 from miles_sync.weights.layout import WeightLayout, layout_spec
 
-__all__ = [
-    "VOCAB_PADDING",
-    "ShardKind",
-    "TPShape",
-    "copy_shard",
-    "is_linear_weight",
-    "rank_engine_digests",
-    "rank_engine_tensors",
-    "shard_kind",
-    "shard_rows",
-    "shard_tensor",
-    "tp_problems",
-]
+__all__ = ["ShardKind", "TPShape", "copy_shard", "is_linear_weight", "shard_kind", "shard_tensor", "tp_problems"]
 
 VOCAB_PADDING = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE
 

@@ -23,18 +23,7 @@ import torch
 
 from miles_sync.wire.codec import WireEnum
 
-__all__ = [
-    "LAYOUTS",
-    "LayoutSpec",
-    "WeightLayout",
-    "apply_layout",
-    "can_shuffle",
-    "layout_spec",
-    "shuffle_order",
-    "shuffle_weight",
-    "undo_layout",
-    "unshuffle_weight",
-]
+__all__ = ["LayoutSpec", "WeightLayout", "layout_spec", "undo_layout"]
 
 _BAND_ROWS = 16  # rows per band (AITER's BN)
 _K_MULTIPLE = 32  # elements per K block (AITER's BK); K must be a multiple

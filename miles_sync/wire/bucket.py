@@ -19,10 +19,9 @@ from miles_sync.wire.dtypes import dtype_name as _dtype_name
 
 __all__ = [
     "AtomicUnit",
-    "TensorMeta",
     "BucketEntry",
     "FlattenedBucket",
-    "aligned_order",
+    "TensorMeta",
     "layout_from_metadata",
     "pack_bucket",
     "unpack_bucket",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "SUPPORTED_DTYPE_NAMES", "config_dtype", "dtype_from_name", "dtype_name"]
+__all__ = ["config_dtype", "dtype_from_name", "dtype_name"]
 
 _CANDIDATE_NAMES = (
     "bool",

@@ -36,13 +36,10 @@ from torch.multiprocessing import reductions
 from miles_sync.wire.dtypes import SUPPORTED_DTYPES, dtype_name
 
 __all__ = [
-    "LOAD_FORMATS",
     "FlattenedTensorMetadata",
-    "PayloadError",
     "decode_payload",
     "encode_flattened_bucket",
     "encode_named_tensor_dict",
-    "encode_named_tensors",
     "segment_pid",
 ]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum
 
-__all__ = ["allowed_values", "raise_if", "shorten"]
+__all__ = ["raise_if", "shorten"]
 
 
 def shorten(items: Iterable[object], *, limit: int, sep: str = ", ") -> str:

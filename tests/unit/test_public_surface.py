@@ -494,3 +494,41 @@ def _field_tree(cls: type) -> dict:
         f.name: _field_tree(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
         for f in dataclasses.fields(cls)
     }
+
+
+# Modules whose __all__ is a contract pinned above (wire schema, config, selector): they list every public name.
+_PINNED_ALL = {"miles_sync.wire.protocol", "miles_sync.sync.selector", "miles_sync.wire.draft", "miles_sync.config"}
+_PINNED_ALL |= {"miles_sync.wire.codec", "miles_sync.api", "miles_sync.embedding"}
+
+
+def test_internal_all_lists_only_what_another_package_imports():
+    """An internal module's __all__ names what code outside its package (miles_sync.<package>, actors, launch)
+    imports from it, and nothing else: the list is the module's real interface, not its inventory."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[2]
+
+    def package_of(module: str) -> str:
+        return ".".join(module.split(".")[:2]) if module.startswith("miles_sync.") else module.split(".")[0]
+
+    declared: dict[str, list[str]] = {}
+    imported: dict[tuple[str, str], set[str]] = {}
+    for path in [p for top in ("miles_sync", "actors", "launch") for p in (repo / top).rglob("*.py")]:
+        parts = path.relative_to(repo).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    imported.setdefault((node.module, alias.name), set()).add(package_of(module))
+            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+            if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(target, ast.Name):
+                if target.id == "__all__" and path.name != "__init__.py" and module.startswith("miles_sync."):
+                    declared[module] = [element.value for element in node.value.elts]
+    assert len(declared) > 50, "the scan found too few modules"
+    unused = {
+        module: [n for n in names if not imported.get((module, n), set()) - {package_of(module)}]
+        for module, names in declared.items()
+        if module not in _PINNED_ALL
+    }
+    offenders = {module: names for module, names in unused.items() if names}
+    assert not offenders, f"names no other package imports (drop them from __all__): {offenders}"

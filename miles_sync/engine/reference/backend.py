@@ -22,15 +22,7 @@ from miles_sync.wire.bucket import BucketEntry, TensorMeta, unpack_bucket
 from miles_sync.wire.payload import decode_payload
 from miles_sync.wire.protocol import ChecksumNames, Role, WeightsCheckerRequest, WeightsCheckerResult
 
-__all__ = [
-    "SOURCE_RANK",
-    "AllocationError",
-    "EngineDown",
-    "LocalBackend",
-    "WeightBackend",
-    "allocate",
-    "join_rank_problems",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 SOURCE_RANK = 0  # the trainer's source rank in every update group
 _MAX_TENSOR_BYTES = 2**63 - 1  # torch sizes are int64

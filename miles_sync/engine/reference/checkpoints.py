@@ -39,20 +39,7 @@ import torch.nn.functional as F
 
 from miles_sync.engine.reference.models import CausalLM, MTPHead, model_family
 
-__all__ = [
-    "BUILT_IN_ARCHS",
-    "CheckpointRecipe",
-    "LanguageRecipe",
-    "ModelShape",
-    "MoeCheckpointRecipe",
-    "MoeShape",
-    "build_checkpoints",
-    "build_moe_checkpoint",
-    "cached_checkpoints",
-    "next_token",
-    "recipe_digest",
-    "sample_sequences",
-]
+__all__ = ["BUILT_IN_ARCHS", "LanguageRecipe", "cached_checkpoints", "next_token"]
 
 # Bump when the training code changes in a way that changes the bytes, so cached checkpoints are rebuilt.
 _FORMAT_VERSION = 3

@@ -72,7 +72,7 @@ from miles_sync.wire.protocol import (
 )
 from miles_sync.wire.text import raise_if, shorten
 
-__all__ = ["ReferenceEngine"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 logger = logging.getLogger(__name__)
 

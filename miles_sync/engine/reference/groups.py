@@ -13,7 +13,7 @@ import threading
 
 from miles_sync.transport.group import UpdateGroup, create_update_group
 
-__all__ = ["UpdateGroups"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 
 class UpdateGroups:

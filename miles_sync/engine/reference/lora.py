@@ -39,20 +39,7 @@ from miles_sync.weights.engine_layout import ShardKind, TPShape, shard_kind, sha
 from miles_sync.wire.payload import decode_payload
 from miles_sync.wire.text import raise_if
 
-__all__ = [
-    "LORA_TARGET_MODULES",
-    "TENSOR_LORA_PATH",
-    "AdapterConfig",
-    "AdapterSet",
-    "LocalAdapters",
-    "PreparedAdapter",
-    "RankAdapters",
-    "adapter_module",
-    "build_adapter_set",
-    "checksum_problems",
-    "hf_target_modules",
-    "tensor_sha256",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 # The linear modules an adapter may target by default (every projection of a decoder layer).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

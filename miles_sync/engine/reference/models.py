@@ -37,27 +37,7 @@ from torch import nn
 
 from miles_sync.wire.dtypes import config_dtype
 
-__all__ = [
-    "MOE_MODEL_TYPES",
-    "SUPPORTED_MODEL_TYPES",
-    "ExpertStorage",
-    "CausalLM",
-    "LMOutput",
-    "MTPHead",
-    "ModelFamily",
-    "TextCodec",
-    "causal_mask",
-    "config_dtype",
-    "linear_weight_names",
-    "load_tokenizer",
-    "model_family",
-    "mtp_forward",
-    "mtp_prefix",
-    "num_mtp_layers",
-    "read_config",
-    "read_safetensors",
-    "stack_expert_weights",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 # model_type -> (transformers module, class-name stem); the stem names Config, ForCausalLM, DecoderLayer, ...
 _FAMILIES: dict[str, tuple[str, str]] = {

@@ -45,7 +45,7 @@ from miles_sync.weights.engine_layout import (
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.text import raise_if
 
-__all__ = ["ShardedCausalLM", "ShardedMTPHead", "rank_config"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 _ATTENTION = "sdpa"  # as models.CausalLM
 

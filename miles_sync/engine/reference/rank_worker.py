@@ -38,7 +38,7 @@ from miles_sync.wire.bucket import BucketEntry
 from miles_sync.wire.dtypes import dtype_name
 from miles_sync.wire.protocol import ChecksumNames, Role, WeightsCheckerRequest
 
-__all__ = ["CHANNELS", "RankArgs", "rank_main"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 CHANNELS = ("compute", "control", "group")
 logger = logging.getLogger("miles_sync.engine.reference.rank")

@@ -47,7 +47,7 @@ from miles_sync.wire.protocol import (
     WeightsCheckerResult,
 )
 
-__all__ = ["RankBackend", "RankFleet", "RankModel", "RankRunnerView", "start_rank_engine"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 logger = logging.getLogger(__name__)
 

@@ -64,16 +64,7 @@ from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
 from miles_sync.wire.text import raise_if, shorten
 
-__all__ = [
-    "DRAFT_KINDS",
-    "Runner",
-    "dtype_str",
-    "load_mtp_runner",
-    "load_runners",
-    "load_standalone_runner",
-    "load_target_runner",
-    "populate",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 DRAFT_KINDS = ("none", "mtp", "standalone", "ngram")
 _NUM_MISSING_SHOWN = 5  # how many missing checkpoint tensors an error message lists

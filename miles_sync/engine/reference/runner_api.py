@@ -20,7 +20,7 @@ from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
 
-__all__ = ["ServedRunner", "StoredRunner"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 
 class ServedRunner(Protocol):

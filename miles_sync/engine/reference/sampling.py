@@ -11,7 +11,7 @@ import torch
 
 from miles_sync.wire.protocol import GenerateRequest, SamplingParams
 
-__all__ = ["choose_token", "is_greedy", "logprob_problems", "token_logprob"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 # SGLang's srt/sampling/sampling_params.py:42,245-248: a temperature in [0, 1e-6) is greedy, normalized to
 # temperature 1.0 with top_k 1.

@@ -48,7 +48,7 @@ from miles_sync.wire.protocol import (
 )
 from miles_sync.wire.text import raise_if
 
-__all__ = ["Scheduler", "choose_token"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 _LOCK_POLL_S = 0.5  # how often a loop waiting for the weights lock checks for shutdown
 

@@ -63,7 +63,7 @@ from miles_sync.wire.dtypes import config_dtype, dtype_name
 from miles_sync.wire.protocol import ChecksumNames, Role
 from miles_sync.wire.text import raise_if
 
-__all__ = ["DRAFT_ROLES", "build_engine", "main", "parse_args"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 # Draft role names this engine can report: SGLang's single draft runner, or step 0 of its multi-layer EAGLE.
 DRAFT_ROLES = ("draft", "draft_step_0")

@@ -42,7 +42,7 @@ from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
 from miles_sync.wire.text import raise_if
 
-__all__ = ["ShardedRunner", "load_sharded_runners"]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 
 # ---- runner -----------------------------------------------------------------------------------------------------

@@ -24,17 +24,7 @@ import torch
 
 from miles_sync.engine.reference.runner_api import ServedRunner
 
-__all__ = [
-    "PROPOSER_KINDS",
-    "DraftInput",
-    "MTPProposer",
-    "NgramProposer",
-    "Proposer",
-    "StandaloneProposer",
-    "accept_tokens",
-    "create_proposer",
-    "pad_right",
-]
+__all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
 
 PROPOSER_KINDS = ("mtp", "standalone", "ngram")
 

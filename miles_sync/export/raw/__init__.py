@@ -38,4 +38,4 @@ def create_converter(arch: str, hf_config: object) -> Converter:
     return converter_class(hf_config)
 
 
-__all__ = ["SUPPORTED_ARCHS", "check_arch", "create_converter"]
+__all__ = ["check_arch", "create_converter"]
