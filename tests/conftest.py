@@ -54,6 +54,18 @@ def reference_checkpoints() -> Path:
     return cached_checkpoints(read_environment().cache_dir)
 
 
+@pytest.fixture(scope="module")
+def source(reference_checkpoints: Path):
+    """A ProcessSource (tests/sender_host.py) exporting the reference target checkpoint from processes of its own,
+    one per test module: a module's syncs may leave its transport open or its weights moved, so modules do not share
+    it. Modules that need another source define their own `source`."""
+    from sender_host import ProcessSource
+
+    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
+    yield process_source
+    process_source.shutdown()
+
+
 @pytest.fixture(scope="session")
 def reference_moe_checkpoint() -> Path:
     """The built-in pre-trained Qwen3-MoE reference checkpoint's `target/` (with its MTP layer), cached like the

@@ -17,7 +17,7 @@ import dataclasses
 
 import pytest
 from reference_server import reference_server
-from sender_host import ProcessSource, SenderSettings
+from sender_host import SenderSettings
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
@@ -46,13 +46,6 @@ FROZEN_SELECTED = SelectorInputs(
     check_coverage=False,
 )
 PROMPTS = tuple(tuple(p) for p in make_prompts(0, num_prompts=4, length=4))
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 @contextlib.contextmanager

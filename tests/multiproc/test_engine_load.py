@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 # abort-mode pause stays queued and completes under the new weights. Only the abort-mode pause itself aborts.
 NUM_REQUESTS = 200
 NUM_SYNCS = 3
+_SEGMENT = NUM_REQUESTS // (NUM_SYNCS + 1)  # requests per load segment (_LoadProgress)
 MAX_NEW_TOKENS = 32
 # Requests start one every 15 ms, so the load lasts ~3 s and every sync lands while some requests run, others wait
 # and new ones arrive (see _LoadProgress for when each sync starts).
@@ -77,13 +78,6 @@ def engines(reference_checkpoints, tmp_path_factory):
         yield [a, b]
 
 
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
-
-
 def start_engine(checkpoints: Path, log_dir: Path):
     return reference_server(
         model=checkpoints / "target",
@@ -108,14 +102,28 @@ def expected_output(request_id: int) -> tuple[int, ...]:
 
 
 class _LoadProgress:
-    """Requests sent and answers received so far. The sync task waits on it: sync k starts once k + 1 quarters of
-    the requests were sent (so it lands inside the load) and a request sent after the previous sync completed (so
-    every version serves some request whole), or once every request was sent (so a slow machine cannot stall it)."""
+    """Requests sent, answers received and syncs started so far; both sides wait on it. The requests come in
+    NUM_SYNCS + 1 segments: segment k (k > 0) starts arriving once sync k - 1 started (so some arrive during its
+    pause), and sync k starts once segment k is sent and one of its requests completed after sync k - 1 ended. So
+    each sync lands inside the load (segment k's latest requests are in flight when it pauses), every version
+    serves whole requests, and the last segment completes under the last version, on a fast machine or a loaded
+    one: nothing depends on how long a request or a sync takes."""
 
     def __init__(self) -> None:
         self.num_sent = 0
+        self.num_syncs_started = 0
         self.answers: list[Answer] = []
         self._changed = asyncio.Condition()
+
+    async def wait_for_segment(self, request_id: int) -> None:
+        segment = min(request_id // _SEGMENT, NUM_SYNCS)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.num_syncs_started >= segment)
+
+    async def record_sync_started(self) -> None:
+        async with self._changed:
+            self.num_syncs_started += 1
+            self._changed.notify_all()
 
     async def record_sent(self) -> None:
         async with self._changed:
@@ -129,10 +137,10 @@ class _LoadProgress:
 
     async def wait_for_sync(self, k: int, *, previous_end: float) -> None:
         def is_due() -> bool:
-            if self.num_sent == NUM_REQUESTS:
-                return True
-            served = any(a.sent_at >= previous_end and is_complete(a) for a in self.answers)
-            return served and self.num_sent >= (k + 1) * NUM_REQUESTS // (NUM_SYNCS + 1)
+            served = any(
+                a.request_id >= k * _SEGMENT and a.answered_at >= previous_end and is_complete(a) for a in self.answers
+            )
+            return served and self.num_sent >= (k + 1) * _SEGMENT
 
         async with self._changed:
             await self._changed.wait_for(is_due)
@@ -169,6 +177,7 @@ async def run_load(
 
     async def request(request_id: int) -> None:
         await asyncio.sleep(request_id * ARRIVAL_GAP_S)
+        await progress.wait_for_segment(request_id)
         params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
         sent_at = time.monotonic()
         await progress.record_sent()
@@ -191,6 +200,7 @@ async def run_load(
             await progress.wait_for_sync(k, previous_end=windows[-1].end if windows else float("-inf"))
             await source.call("step", first_step + k)  # new weights for every sync
             start = time.monotonic()
+            await progress.record_sync_started()
             report = await ctl.sync()
             windows.append(SyncWindow(start=start, end=time.monotonic(), report=report))
         return windows

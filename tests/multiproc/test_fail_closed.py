@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from reference_server import reference_server
-from sender_host import ProcessSource, SenderSettings, load_checkpoint
+from sender_host import SenderSettings, load_checkpoint
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
@@ -106,13 +106,6 @@ def test_a_send_cancelled_after_the_metadata_post_still_releases_every_engine(re
     with start_engine(reference_checkpoints, tmp_path) as a, start_engine(reference_checkpoints, tmp_path) as b:
         released = asyncio.run(main([a.url, b.url]))
     assert len(released) == len(CANCEL_POINTS) and max(released) < RELEASED_WITHIN_S
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 def sync_controller(urls, source) -> SyncController:

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 from reference_server import reference_server
-from sender_host import ProcessSource, SenderSettings, exported_names, load_checkpoint, weights_at_step
+from sender_host import SenderSettings, exported_names, load_checkpoint, weights_at_step
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
@@ -48,13 +48,6 @@ def fp8_engine(reference_checkpoints, tmp_path_factory):
         extra_args=("--collective-timeout-s", "15"),
     ) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 def controller(url: str, source, *, quantization: Fp8Block | None, transport: str = "distributed") -> SyncController:

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from recording_proxy import recording_proxy
 from reference_server import reference_server
-from sender_host import ProcessSource, SenderSettings, load_checkpoint
+from sender_host import SenderSettings, load_checkpoint
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
@@ -55,13 +55,6 @@ CHECKER_ACTIONS = ("snapshot", "reset_tensors", "compare")
 
 def settings(*, skip_names: tuple[str, ...] = ()) -> SenderSettings:
     return SenderSettings(transport="distributed", bucket_bytes=BUCKET_BYTES, include_mtp=False, skip_names=skip_names)
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from recording_proxy import recording_proxy
 from reference_server import reference_server
-from sender_host import ProcessSource, SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
+from sender_host import SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
@@ -72,13 +72,6 @@ def start_engine(checkpoints: Path, log_dir: Path):
 @pytest.fixture(scope="module")
 def checkpoint(reference_checkpoints):
     return load_checkpoint(reference_checkpoints / "target")
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 class ProxiedEngine:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference_server import checkpoint_tensors, generate, mtp_names, reference_server
-from sender_host import ProcessSource, SenderSettings, load_checkpoint, weights_at_step
+from sender_host import SenderSettings, load_checkpoint, weights_at_step
 from sglang_fields import vendored_checker_fields
 
 from miles_sync.engine.client import EngineClient
@@ -75,13 +75,6 @@ def fleet(reference_checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(reference_checkpoints):
     return load_checkpoint(reference_checkpoints / "target")
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 @pytest.fixture(scope="module")

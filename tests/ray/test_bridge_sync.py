@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from ray_fleet import RAY_TIMEOUT_S, Fleet, current_urls, local_ray, started_fleet, target_checksum
+from ray_fleet import RAY_TIMEOUT_S, Fleet, current_urls, started_fleet, target_checksum
 
 from actors.controller import create_controller
 from actors.trainer import TrainerGroup, create_trainers
@@ -66,12 +66,6 @@ class Scenario:
     bridge: dict[TransportKind, Synced]  # after the same step, bridge conversion
     refused: SyncReport  # bridge, selector auto, frozen draft
     imports_bridge: dict[ConversionMode, tuple[bool, ...]]  # per trainer rank: megatron-bridge imported
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_ray(num_cpus=2):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from contextlib import ExitStack
 import pytest
 import ray
 import torch
-from ray_fleet import RAY_TIMEOUT_S, local_ray, prompts
+from ray_fleet import RAY_TIMEOUT_S, prompts
 
 from actors.controller import create_controller
 from actors.rollout import create_engines
@@ -26,12 +26,6 @@ from miles_sync.wire.protocol import SamplingParams
 pytestmark = pytest.mark.gpu
 
 MODEL = ModelConfig(arch="qwen3", speculative_algorithm="NEXTN", num_trained_mtp_layers=0)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_ray(num_cpus=2):
-        yield
 
 
 def sync_once(*, transport: TransportKind, backend: str, gpus_per_actor: float, checkpoints, log_dir) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from ray_fleet import RAY_TIMEOUT_S, current_urls, local_ray, target_checksum
+from ray_fleet import RAY_TIMEOUT_S, current_urls, target_checksum
 
 from actors.controller import create_controller
 from actors.rollout import EngineGroup, create_engines
@@ -69,12 +69,6 @@ class PipelineFleet:
         """Index of each stage's export source rank, in stage order."""
         sources = sorted((info.pp_rank, i) for i, info in enumerate(self.trainers.ranks) if info.is_source)
         return [i for _, i in sources]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_ray(num_cpus=2):
-        yield
 
 
 @contextlib.contextmanager

@@ -30,7 +30,6 @@ from ray_fleet import (
     Fleet,
     current_urls,
     listeners_off_loopback,
-    local_ray,
     mean_accept_length,
     prompts,
     started_fleet,
@@ -50,12 +49,6 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 MODEL = ModelConfig(arch="qwen3", speculative_algorithm="NEXTN", num_trained_mtp_layers=0)
 # Small buckets: a sync of this 1.8 MiB model is several buckets, as a real one is many.
 SYNC = dict(bucket_bytes=256 * 1024, http_timeout_s=20.0, collective_timeout_s=20.0, sync_timeout_s=90.0)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_ray(num_cpus=2):
-        yield
 
 
 @pytest.fixture(scope="module")

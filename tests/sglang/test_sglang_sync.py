@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 from recording_proxy import recording_proxy
-from sender_host import ProcessSource, SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
+from sender_host import SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
 from sglang_server import sglang_server
 from silent_member import silent_member
 
@@ -55,13 +55,6 @@ def settings(transport: str, **kwargs) -> SenderSettings:
 @pytest.fixture(scope="module")
 def checkpoint(reference_checkpoints):
     return load_checkpoint(reference_checkpoints / "target")
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 @pytest.fixture(scope="module")

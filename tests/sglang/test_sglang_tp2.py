@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sender_host import ProcessSource, SenderSettings, exported_names, load_checkpoint
+from sender_host import SenderSettings, exported_names, load_checkpoint
 from sglang_server import sglang_server
 
 from miles_sync.engine.client import EngineClient
@@ -28,13 +28,6 @@ def server(reference_checkpoints, sglang_python, tmp_path_factory):
     model = reference_checkpoints / "target"
     with sglang_server(model=model, python=sglang_python, log_dir=tmp_path_factory.mktemp("tp2"), tp_size=2) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def source(reference_checkpoints):
-    process_source = ProcessSource(target_dir=reference_checkpoints / "target")
-    yield process_source
-    process_source.shutdown()
 
 
 @pytest.mark.parametrize("transport", ["distributed", "colocated"])
