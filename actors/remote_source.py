@@ -15,19 +15,19 @@ from typing import Any
 
 import ray
 
-from miles_sync.env import node_of_url
 from miles_sync.sync.adapter import AdapterPayload
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT, attached_source
 from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.pipeline import PipelineSource
+from miles_sync.sync.rank_plan import colocated_node_problems, stage_members
 from miles_sync.sync.report import BucketProgress, InIndexOrder
 from miles_sync.sync.sender import SenderSettings
-from miles_sync.sync.source import RankInfo, RankSendResult
+from miles_sync.sync.source import ModelSource, RankInfo, RankSendResult
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.base import transport_spec
-from miles_sync.transport.feeds import FeedPlan, feed_node_problems
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
+from miles_sync.wire.text import raise_if
 
 __all__ = ["RemoteTrainerSource", "StageSource", "plan_stages"]
 
@@ -66,10 +66,11 @@ def _current_actor() -> Any | None:
         return None
 
 
-def _on_rank(actor: object, name: str, method: str, kwargs: dict[str, Any]) -> Any:
-    """Runs inside a trainer actor (through `__ray_call__`): one ModelSource call on the model attached there."""
+def _on_rank(actor: object, name: str, method: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """Runs inside a trainer actor (through `__ray_call__`): `method`, a ModelSource method (passed by reference,
+    not by name), on the model attached there."""
     del actor  # the model is found by name, so any actor class works
-    return getattr(attached_source(name), method)(**kwargs)
+    return method(attached_source(name), **kwargs)
 
 
 class RemoteTrainerSource(WeightSource):
@@ -117,7 +118,7 @@ class RemoteTrainerSource(WeightSource):
         return () if self._pipeline is None else self._pipeline.memberships
 
     async def connect(self) -> tuple[RankInfo, ...]:
-        infos = await self._calls.on_all(self._trainers, "describe", timeout_s=self._calls.control_timeout_s)
+        infos = await self._calls.on_all(self._trainers, ModelSource.describe, timeout_s=self._calls.control_timeout_s)
         self._pipeline = PipelineSource(plan_stages(self._trainers, infos, calls=self._calls))
         self._ranks = tuple(infos)
         return self._ranks
@@ -129,7 +130,7 @@ class RemoteTrainerSource(WeightSource):
         """The LoRA adapter for engines of `tp_sizes` (miles_sync.sync.lora): every rank gathers, the export source
         answers the payload."""
         results = await self._calls.on_all(
-            self._trainers, "adapter_payload", timeout_s=self._calls.rank_timeout_s, tp_sizes=list(tp_sizes)
+            self._trainers, ModelSource.adapter_payload, timeout_s=self._calls.rank_timeout_s, tp_sizes=list(tp_sizes)
         )
         payloads = [r for r in results if r is not None]
         if len(payloads) != 1:
@@ -137,30 +138,18 @@ class RemoteTrainerSource(WeightSource):
         return payloads[0]
 
     async def release_adapter(self) -> None:
-        await self._calls.on_all(self._trainers, "release_adapter", timeout_s=self._calls.control_timeout_s)
+        await self._calls.on_all(self._trainers, ModelSource.release_adapter, timeout_s=self._calls.control_timeout_s)
 
     def check_engines(self, engines: Sequence[EngineEndpoint]) -> None:
         """Raise ValueError, naming each engine and node, when the colocated transport would feed an engine from a
         trainer rank on another node (`transport.feeds.feed_node_problems`); a no-op for other transports. The
         controller calls it once it knows the engines (at connect), and every `open` does."""
-        if not transport_spec(self._calls.settings.transport).feeds_from_every_rank or not self._ranks:
+        if not transport_spec(self._calls.settings.transport).feeds_from_every_rank:
             return
-        nodes = {info.rank: info.node for info in self._ranks}
-        trainer_nodes = [nodes.get(r, "?") for r in range(max(nodes) + 1)]
-        engine_nodes = [node_of_url(e.url) for e in engines]
-        problems = []
-        for source in (info for info in self._ranks if info.is_source):
-            plan = source.feeds
-            if plan is None:  # the stage's source feeds every engine rank itself
-                plan = FeedPlan.single_source(
-                    tp_sizes=[e.tp_size for e in engines], rank=source.rank, num_trainers=len(trainer_nodes)
-                )
-            if len(plan.engines) == len(engines):  # a count mismatch is the plan's own check, at open
-                problems += feed_node_problems(
-                    plan=plan, trainer_nodes=trainer_nodes, engines=engines, engine_nodes=engine_nodes
-                )
-        if problems:
-            raise ValueError("the colocated transport cannot feed every engine on its own node: " + "; ".join(problems))
+        raise_if(
+            colocated_node_problems(self._ranks, engines),
+            what="the colocated transport cannot feed every engine on its own node",
+        )
 
     async def open(
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
@@ -184,7 +173,7 @@ class RemoteTrainerSource(WeightSource):
 
     async def close(self) -> None:
         if self._pipeline is None:  # never connected: every rank may still hold a transport of an earlier owner
-            await self._calls.on_all(self._trainers, "close", timeout_s=self._calls.rank_timeout_s)
+            await self._calls.on_all(self._trainers, ModelSource.close, timeout_s=self._calls.rank_timeout_s)
             return
         await self._pipeline.close()
 
@@ -195,35 +184,17 @@ class RemoteTrainerSource(WeightSource):
 
 
 def plan_stages(trainers: Sequence[Any], infos: Sequence[RankInfo], *, calls: _RankCalls) -> list[StageSource]:
-    """One StageSource per pipeline stage, in stage order, over the ranks whose RankInfo names that stage; raises
-    ValueError when a stage has no export source or several, or the stages do not number 0..n-1."""
-    by_stage: dict[int, list[int]] = {}
-    for index, info in enumerate(infos):
-        by_stage.setdefault(info.pp_rank, []).append(index)
-    problems = []
-    if sorted(by_stage) != list(range(len(by_stage))):
-        problems.append(f"the ranks report pipeline stages {sorted(by_stage)}, not 0..{len(by_stage) - 1}")
-    stages = []
-    for stage in sorted(by_stage):
-        members = by_stage[stage]
-        sources = [i for i in members if infos[i].is_source]
-        if len(sources) != 1:
-            problems.append(
-                f"pipeline stage {stage} has {len(sources)} export source ranks {[infos[i].rank for i in sources]}; "
-                f"each stage needs exactly one (its tp 0 / dp 0 rank)"
-            )
-            continue
-        stages.append(
-            StageSource(
-                stage=stage,
-                trainers=[trainers[i] for i in members],
-                source_index=members.index(sources[0]),
-                calls=calls,
-            )
+    """One StageSource per pipeline stage, in stage order (`rank_plan.stage_members`: raises ValueError when the
+    ranks do not form a pipeline)."""
+    return [
+        StageSource(
+            stage=planned.stage,
+            trainers=[trainers[i] for i in planned.members],
+            source_index=planned.source_index,
+            calls=calls,
         )
-    if problems:
-        raise ValueError("trainer ranks do not form a pipeline: " + "; ".join(problems))
-    return stages
+        for planned in stage_members(infos)
+    ]
 
 
 class _RankCalls:
@@ -239,7 +210,9 @@ class _RankCalls:
         """A whole open, stage, send or close on a rank, plus the margin for the rank's own error to arrive."""
         return self.settings.call_timeout_s + _RANK_DEADLINE_MARGIN_S
 
-    async def on_all(self, trainers: Sequence[Any], method: str, *, timeout_s: float, **kwargs: Any) -> list[Any]:
+    async def on_all(
+        self, trainers: Sequence[Any], method: Callable[..., Any], *, timeout_s: float, **kwargs: Any
+    ) -> list[Any]:
         """`method` on every rank concurrently; raises RuntimeError naming each failed rank after all answered."""
         results = await asyncio.gather(
             *(self.call(t, method, timeout_s=timeout_s, **kwargs) for t in trainers), return_exceptions=True
@@ -247,16 +220,18 @@ class _RankCalls:
         failures = [f"trainer {i}: {r}" for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failures:
             shown = "; ".join(failures)
-            raise RuntimeError(f"{method} failed on {len(failures)} of {len(results)} trainer rank(s): {shown}")
+            raise RuntimeError(
+                f"{method.__name__} failed on {len(failures)} of {len(results)} trainer rank(s): {shown}"
+            )
         return list(results)
 
-    async def call(self, trainer: Any, method: str, *, timeout_s: float, **kwargs: Any) -> Any:
+    async def call(self, trainer: Any, method: Callable[..., Any], *, timeout_s: float, **kwargs: Any) -> Any:
         ref = trainer.__ray_call__.remote(_on_rank, self.attachment, method, kwargs)
         try:
             return await asyncio.wait_for(ref, timeout=timeout_s)
         except asyncio.TimeoutError:
             ray.cancel(ref)
-            raise TimeoutError(f"{method} got no answer within {timeout_s} s") from None
+            raise TimeoutError(f"{method.__name__} got no answer within {timeout_s} s") from None
         except ray.exceptions.RayTaskError as exc:
             # The rank's own exception, without Ray's remote traceback around it.
             raise _cause(exc) from None
@@ -276,14 +251,14 @@ class StageSource(WeightSource):
 
     async def exported_names(self) -> tuple[str, ...]:
         source = self._trainers[self._source_index]
-        return await self._calls.call(source, "exported_names", timeout_s=self._calls.control_timeout_s)
+        return await self._calls.call(source, ModelSource.exported_names, timeout_s=self._calls.control_timeout_s)
 
     async def open(
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
     ) -> GroupMembership | None:
         results = await self._calls.on_all(
             self._trainers,
-            "open",
+            ModelSource.open,
             timeout_s=self._calls.rank_timeout_s,
             engines=tuple(engines),
             membership=membership,
@@ -309,7 +284,7 @@ class StageSource(WeightSource):
         try:
             results: list[RankSendResult] = await self._calls.on_all(
                 self._trainers,
-                "send",
+                ModelSource.send,
                 timeout_s=self._calls.rank_timeout_s,
                 selector=selector,
                 on_bucket=push,
@@ -328,7 +303,7 @@ class StageSource(WeightSource):
         # Every rank packs (the export's collectives pair up); only the source rank predicts engine digests.
         results = await self._calls.on_all(
             self._trainers,
-            "stage",
+            ModelSource.stage,
             timeout_s=self._calls.rank_timeout_s,
             selector=selector,
             engine_digests=engine_digests,
@@ -336,7 +311,7 @@ class StageSource(WeightSource):
         return results[self._source_index]
 
     async def close(self) -> None:
-        await self._calls.on_all(self._trainers, "close", timeout_s=self._calls.rank_timeout_s)
+        await self._calls.on_all(self._trainers, ModelSource.close, timeout_s=self._calls.rank_timeout_s)
 
 
 def _cause(exc: Exception) -> Exception:
