@@ -5,7 +5,7 @@
 1. Per-byte costs, measured directly: memcpy (one copy of a ~216 MiB state dict into a preallocated buffer), one
    copy into fresh allocations (page faults included: what a staged sync's packing pays), the verification hash
    (miles_sync.weights.checksum.tensor_checksum over the same tensors), and gloo broadcasts of one
-   contiguous buffer among 2, 3 and 4 processes at two sizes (bench_sync.ceiling_seconds), to which the binomial
+   contiguous buffer among 2, 3 and 4 processes at two sizes (_baselines.ceiling_broadcast), to which the binomial
    model of miles_sync.sizing.collective is fitted (link GB/s and per-message latency); the table prints each
    measured broadcast next to the fitted model's.
 2. The engines' load rate, the pipeline's overlap factor (both on a grid) and the per-call costs (per sync, per
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _baselines  # noqa: E402
 import bench_sync  # noqa: E402
 from _sync_models import MODELS, checkpoint_dir  # noqa: E402
 
@@ -104,12 +105,12 @@ LOAD_FACTORS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.18, 0.125)  # load_gbps candidates
 def copy_and_hash_gbps(tensors: dict[str, torch.Tensor], *, repeats: int) -> tuple[float, float, float]:
     """(memcpy into one preallocated buffer, copy into fresh allocations, tensor_checksum) GB/s over `tensors`."""
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    memcpy_s = bench_sync.memcpy_seconds(tensors, repeats=repeats)
+    memcpy_s = _baselines.memcpy_seconds(tensors, repeats=repeats)
     # One new buffer of the whole size per copy, as large as a bucket: mmap'd, faulted in on copy.
-    fresh_s = bench_sync.median_seconds(
-        lambda: bench_sync.copy_into(torch.empty(num_bytes, dtype=torch.uint8), tensors), repeats=repeats
+    fresh_s = _baselines.median_seconds(
+        lambda: _baselines.copy_into(torch.empty(num_bytes, dtype=torch.uint8), tensors), repeats=repeats
     )
-    hash_s = bench_sync.sha256_seconds(tensors, repeats=repeats)
+    hash_s = _baselines.sha256_seconds(tensors, repeats=repeats)
     return num_bytes / memcpy_s / 1e9, num_bytes / fresh_s / 1e9, num_bytes / hash_s / 1e9
 
 
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for world_size in (2, 3, 4):
         for size in (8 * MIB, 128 * MIB):
-            seconds = bench_sync.ceiling_seconds(size, world_size=world_size, repeats=micro_repeats)
+            seconds = _baselines.ceiling_broadcast(size, world_size=world_size, repeats=micro_repeats).seconds
             points.append((world_size, size, seconds))
     link_gbps, latency_s = fit_broadcast(points)
     base = Costs(
