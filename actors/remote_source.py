@@ -23,7 +23,7 @@ from miles_sync.sync.rank_plan import colocated_node_problems, stage_members
 from miles_sync.sync.report import BucketProgress, InIndexOrder
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.source import ModelSource, RankInfo, RankSendResult
-from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests, WeightSource
 from miles_sync.transport.base import transport_spec
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
@@ -84,6 +84,7 @@ class RemoteTrainerSource(WeightSource):
     """
 
     can_stage = True
+    can_predict = True
     syncs_adapters = True
 
     def __init__(
@@ -171,6 +172,9 @@ class RemoteTrainerSource(WeightSource):
     ) -> StageResult:
         return await self._stages().stage(selector=selector, engine_digests=engine_digests)
 
+    async def predict(self, *, selector: Selector, engine_digests: EngineDigestPlan | None = None) -> WeightDigests:
+        return await self._stages().predict(selector=selector, engine_digests=engine_digests)
+
     async def close(self) -> None:
         if self._pipeline is None:  # never connected: every rank may still hold a transport of an earlier owner
             await self._calls.on_all(self._trainers, ModelSource.close, timeout_s=self._calls.rank_timeout_s)
@@ -242,6 +246,7 @@ class StageSource(WeightSource):
     export's collectives pair up within the stage), and the stage's source rank's answer is the result."""
 
     can_stage = True
+    can_predict = True
 
     def __init__(self, *, stage: int, trainers: Sequence[Any], source_index: int, calls: _RankCalls) -> None:
         self.index = stage  # its pipeline stage
@@ -307,6 +312,18 @@ class StageSource(WeightSource):
             timeout_s=self._calls.rank_timeout_s,
             selector=selector,
             engine_digests=engine_digests,
+        )
+        return results[self._source_index]
+
+    async def predict(self, *, selector: Selector, engine_digests: EngineDigestPlan | None = None) -> WeightDigests:
+        # Every rank exports (the gather's collectives pair up); only the source rank hashes.
+        results = await self._calls.on_all(
+            self._trainers,
+            ModelSource.predict,
+            timeout_s=self._calls.rank_timeout_s,
+            selector=selector,
+            engine_digests=engine_digests,
+            settings=self._calls.settings,
         )
         return results[self._source_index]
 

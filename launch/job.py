@@ -75,13 +75,12 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
     run_dir.mkdir(parents=True, exist_ok=True)
     baseline: BaselineRecord | None = None
     rounds: list[RoundRecord] = []
-    status, nodes = "completed", {}
+    status, nodes, starting = "completed", {}, ("", "")
     try:
         with connect_ray(config.cluster) as connection, _Fleet.start(config, log=log) as fleet:
             log(f"ray {'local cluster' if connection.is_local else 'cluster'} at {connection.address}")
             nodes = fleet.nodes
-            if config.engines.urls:
-                fleet.sync_starting_weights()
+            starting = fleet.start_from_trainer_weights()
             version = fleet.weight_version()
             samples = fleet.rollouts(0)
             stats = fleet.rollout_stats(samples, version=version)
@@ -110,6 +109,8 @@ def run_job(config: MilesSyncConfig, *, out: IO[str] | None = None) -> JobResult
             machine={**machine_record(), "nodes": nodes},
             baseline=baseline,
             rounds=tuple(rounds),
+            starting_check=starting[0],
+            starting_sync=starting[1],
         )
         json_path, png_path = write_run_files(report, run_dir, control_report=config.control_report)
         log(f"wrote {json_path} and {png_path}")
@@ -141,15 +142,27 @@ class _Fleet:
         with start_job_actors(config, log=log) as actors:
             yield cls(config, actors, log=log)
 
-    def sync_starting_weights(self) -> None:
-        """Servers given by URL may serve anything (reused servers served an earlier run's last weights, 8.6 nats
-        off at round 0): one verified sync of the starting weights first (a verify-only session would cost as much).
-        Raises when it does not commit or is not verified against the trainer's bytes."""
+    def start_from_trainer_weights(self) -> tuple[str, str]:
+        """Round 0 must sample the trainer's starting weights, but servers may serve anything (reused ones served an
+        earlier run's last weights, 8.6 nats off at round 0). The controller checks every engine against them
+        without a sync (`check_engines`); engines not shown to hold them get one verified sync first. Returns (the
+        check's summary, that sync's version or ""). LoRA runs skip it (the engines serve the base; a fresh adapter,
+        B = 0, leaves it unchanged), and so do runs with `sync.verify` off, whose servers given by URL are synced."""
+        if self._config.sync.mode is SyncMode.LORA or not self._config.sync.verify:
+            return "", (self._sync_starting_weights() if self._config.engines.urls else "")
+        check = ray.get(self._controller.check_engines.remote(), timeout=self._sync_timeout_s)
+        self._log(check.summary())
+        return check.summary(), (self._sync_starting_weights() if check.to_sync else "")
+
+    def _sync_starting_weights(self) -> str:
+        """One verified sync of the starting weights; its version. Raises when it does not commit or is not
+        verified against the trainer's bytes."""
         report = self._sync_with_progress()
         record = round_record(0, report, loss=0.0, trainer_step=0, rollouts=None)
         if not report.committed or not record.verified:
             raise RuntimeError(f"syncing the starting weights into {list(self._urls)} failed: {report.summary()}")
         self._log(f"engines synced to the trainer's starting weights: version {report.version} ({report.verification})")
+        return report.version
 
     def weight_version(self) -> str:
         return ray.get(self._controller.status.remote(), timeout=self._config.sync.http_timeout_s).weight_version

@@ -178,6 +178,9 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
                 if not state["settings"].predict_engine_digests:
                     engine_digests = None
                 result = await state["sender"].stage(selector=selector, engine_digests=engine_digests)
+            elif op == "predict":
+                selector, engine_digests = args
+                result = await state["sender"].predict(selector=selector, engine_digests=engine_digests)
             elif op == "close":
                 result = None if state["sender"] is None else await state["sender"].close()
             elif op == "exit":
@@ -194,6 +197,7 @@ class ProcessSource(WeightSource):
     """WeightSource for a sender in another process; each call waits at most `timeout_s`."""
 
     can_stage = True
+    can_predict = True
 
     def __init__(self, *, target_dir: Path, timeout_s: float = 120.0) -> None:
         context = multiprocessing.get_context("spawn")
@@ -249,6 +253,9 @@ class ProcessSource(WeightSource):
         result = await self.call("stage", (selector, engine_digests))
         self.stage_results.append(result)
         return result
+
+    async def predict(self, *, selector, engine_digests=None):
+        return await self.call("predict", (selector, engine_digests))
 
     async def close(self) -> None:
         await self.call("close")

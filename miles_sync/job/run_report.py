@@ -125,6 +125,10 @@ class RunReport:
     machine: dict[str, Any]
     baseline: BaselineRecord | None
     rounds: tuple[RoundRecord, ...]
+    # Before round 0: whether the engines held the trainer's starting weights (FleetCheck.summary), and the
+    # version of the sync that gave them those weights when they did not ("" when none was needed).
+    starting_check: str = ""
+    starting_sync: str = ""
 
     def write_json(self, path: Path) -> None:
         data = asdict(self)

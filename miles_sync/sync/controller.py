@@ -41,6 +41,7 @@ from miles_sync.sync.draft_canary import (
 )
 from miles_sync.sync.draft_canary import next_baselines as next_canary_baselines
 from miles_sync.sync.draft_guard import DraftDigests, draft_digests
+from miles_sync.sync.fleet_check import FleetCheck, check_fleet
 from miles_sync.sync.lease import LeaseLostError, SyncLease
 from miles_sync.sync.lora import adapter_name, run_lora_sync_session
 from miles_sync.sync.pipeline import stage_group_names
@@ -392,6 +393,28 @@ class SyncController:
         self._clients.clear()
 
     # ---- sync -----------------------------------------------------------------------------------------------
+
+    async def check_engines(self, *, holder: str = "controller") -> FleetCheck:
+        """Whether every engine already holds the trainer's current weights, without a sync and without writing to
+        any engine (miles_sync.sync.fleet_check): the source hashes its weights, each engine's checker answers.
+        Holds the lease (no sync runs meanwhile); bounded by the session timeout. Full-weight syncs only."""
+        if len(self._clients) != len(self._urls):
+            raise RuntimeError("SyncController.check_engines before connect()")
+        if self._lora_name is not None:
+            raise ValueError("check_engines compares full weights; a LoRA sync's engines serve the base checkpoint")
+        if not self._source.can_predict:
+            raise ValueError(f"{type(self._source).__name__} cannot hash its weights without sending them")
+        async with self._lease.hold(holder, timeout_s=self._lease_wait_s):
+            engines = [self._clients[u] for u in self._urls]
+            return await asyncio.wait_for(
+                check_fleet(
+                    engines,
+                    source=self._source,
+                    inputs=self._selector_inputs,
+                    timeout_s=self._timeouts.control_s,
+                ),
+                timeout=self._timeouts.sync_s,
+            )
 
     async def sync(self, *, holder: str = "controller", raise_on_failure: bool = True) -> SyncReport:
         """One sync of every engine to a new version. Returns the report; raises SyncError (with the report)

@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from miles_sync.weights.checksum import (
+    TensorHash,
+    sglang_digest,
     sglang_fused_tensor,
     sglang_parameter_names,
     sglang_reported_name,
-    sglang_tensor_hash,
 )
 from miles_sync.weights.engine_layout import (
     ShardKind,
@@ -83,6 +84,7 @@ class EngineLayout:
     shape: TPShape
     num_target_layers: int | None
     draft_names: tuple[str, ...] = ()
+    tensor_hash: TensorHash = TensorHash.SHA256  # the digest its checker computes (SHA-256 on CPU, Triton on GPU)
 
     def runner_names(self, names: Iterable[str], *, roles: Collection[Role]) -> list[tuple[str, list[str]]]:
         """(role name, the names among `names` its runner holds) for the roles of `roles` this layout has."""
@@ -156,6 +158,7 @@ def engine_layout(
 ) -> EngineLayout:
     """The layout model of one engine; ValueError naming why there is none (the replica check then applies)."""
     weight_layout = served_weight_layout(info)
+    tensor_hash = served_tensor_hash(info)
     if config is None:
         raise ValueError(f"no readable config.json under model_path {info.model_path!r}")
     model_type = config.get("model_type")
@@ -164,6 +167,10 @@ def engine_layout(
     if config.get("quantization_config") is not None:
         raise ValueError("quantized checkpoints are not modeled")
     shape = TPShape.from_config(config)
+    if shape.num_experts and info.weight_layout is None and tensor_hash is TensorHash.GPU_HASH:
+        # ROCm servers (a "cuda" device to torch) shuffle FusedMoE weights for AITER after loading; what a GPU
+        # server reports does not tell them from NVIDIA ones, so its experts' bytes are not predicted.
+        raise ValueError("a GPU server may post-process its MoE experts (AITER on ROCm): not modeled")
     problems = tp_problems(shape, info.tp_size)
     if problems:
         raise ValueError("; ".join(problems))
@@ -175,6 +182,7 @@ def engine_layout(
         shape=shape,
         num_target_layers=None if num_layers is None else int(num_layers),
         draft_names=tuple(sorted(draft.owned_names)) if has_draft else (),
+        tensor_hash=tensor_hash,
     )
 
 
@@ -183,22 +191,38 @@ def served_weight_layout(info: ServerInfo) -> WeightLayout:
     unknown (the replica check then applies).
 
     The reference engine reports its `weight_layout`. A real SGLang server reports none, so it is inferred from
-    its device: a CPU server (`device: "cpu"`) hashes its parameters as loaded, with SHA-256 on the CPU, which
-    is what the prediction computes (checked against SGLang 0.5.23 on CPU in tests/sglang/). A GPU server hashes
-    with a Triton kernel and may post-process for its kernels (AITER shuffles on ROCm), neither modeled yet.
-    On CPUs with AMX, SGLang repacks linear weights for its AMX kernels; such a server's answer differs from the
-    prediction and the sync fails verification, naming the parameters, rather than passing unchecked.
+    its device. A CPU server (`device: "cpu"`) and a CUDA one (`"cuda"`) keep unquantized dense parameters as
+    loaded: SGLang 0.5.23's `UnquantizedLinearMethod.process_weights_after_loading` only repacks for AMX on CPU
+    (checked against SGLang 0.5.23 on CPU in tests/sglang/). On CPUs with AMX the answer differs from the
+    prediction and the sync fails verification, naming the parameters, rather than passing unchecked; a GPU
+    server's MoE experts are not modeled (`engine_layout`).
     """
     if info.weight_layout is not None:
         try:
             return WeightLayout(info.weight_layout)
         except ValueError:
             raise ValueError(f"weight_layout {info.weight_layout!r} is not modeled") from None
-    if info.device == "cpu":
+    if info.device in ("cpu", "cuda"):
         return WeightLayout.NONE
     if info.device is None:
         raise ValueError("the server reports neither its weight_layout nor its device (post-processing unknown)")
-    raise ValueError(f"a {info.device} server hashes on its device (Triton) and post-processes for its kernels")
+    raise ValueError(f"a {info.device!r} server's post-processing is not modeled")
+
+
+def served_tensor_hash(info: ServerInfo) -> TensorHash:
+    """The digest an engine's checker computes: what the reference engine reports (`miles_sync_tensor_hash`), else
+    by device, as SGLang's `tensor_hash` chooses: SHA-256 for CPU tensors, its Triton kernel for CUDA ones
+    (`miles_sync.weights.gpu_hash`). ValueError when neither is known (the replica check then applies)."""
+    if info.miles_sync_tensor_hash is not None:
+        try:
+            return TensorHash(info.miles_sync_tensor_hash)
+        except ValueError:
+            raise ValueError(f"tensor hash {info.miles_sync_tensor_hash!r} is not modeled") from None
+    if info.device == "cpu" or (info.device is None and info.weight_layout is not None):
+        return TensorHash.SHA256  # a reference engine reporting its layout but not its hash hashes with SHA-256
+    if info.device == "cuda":
+        return TensorHash.GPU_HASH
+    raise ValueError(f"the server's device {info.device!r} does not say how its checker hashes")
 
 
 async def plan_engine_digests(engines: Sequence[EngineAPI], *, selector: Selector, timeout_s: float) -> FleetLayouts:
@@ -303,7 +327,10 @@ class _LayoutDigests:
                 self._register(role_name, engine_name, parts)
 
     def _register(self, role_name: str, engine_name: str, parts: tuple[str, ...]) -> None:
-        streams = self.layout.weight_layout is WeightLayout.NONE or not is_linear_weight(engine_name)
+        # SHA-256 streams over the parts' bytes in order; the GPU hash mixes each word with its position in the
+        # whole tensor, so its groups wait for every part.
+        is_unshuffled = self.layout.weight_layout is WeightLayout.NONE or not is_linear_weight(engine_name)
+        streams = is_unshuffled and self.layout.tensor_hash is TensorHash.SHA256
         group = _Group(
             reported=sglang_reported_name(role_name, engine_name), engine_name=engine_name, parts=parts, streams=streams
         )
@@ -376,7 +403,7 @@ class _LayoutDigests:
         tensor = tensor.contiguous()
         if is_linear_weight(engine_name) and self._spec.applies_to(tuple(tensor.shape), tensor.dtype):
             tensor = self._spec.apply(tensor)
-        return sglang_tensor_hash(tensor)
+        return sglang_digest(tensor, self.layout.tensor_hash)
 
     def finish(self) -> tuple[dict[str, str], ...]:
         return tuple(dict(d) for d in self._digests)

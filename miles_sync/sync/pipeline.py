@@ -24,12 +24,12 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
-from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests, WeightSource
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.protocol import Selector
 
@@ -56,6 +56,7 @@ class PipelineSource(WeightSource):
         self._memberships: tuple[GroupMembership | None, ...] = ()
         self._is_staged = False
         self.can_stage = all(s.can_stage for s in self._stages)
+        self.can_predict = all(s.can_predict for s in self._stages)
 
     @property
     def num_stages(self) -> int:
@@ -164,6 +165,20 @@ class PipelineSource(WeightSource):
                     await packing
         return _combine(results, start=start)
 
+    async def predict(self, *, selector: Selector, engine_digests: EngineDigestPlan | None = None) -> WeightDigests:
+        """Every stage hashes its share at once (nothing is sent, so no order is needed); their checksums and
+        engine digests united as a send's are."""
+        start = time.perf_counter()
+        results = await _all(
+            enumerate(self._stages), "hashing", lambda s: s.predict(selector=selector, engine_digests=engine_digests)
+        )
+        checksums = {name: digest for r in results for name, digest in r.checksums.items()}
+        return WeightDigests(
+            checksums=checksums,
+            engine_checksums=_unite_engine_checksums([r.engine_checksums for r in results]),
+            predict_s=time.perf_counter() - start,
+        )
+
     async def close(self) -> None:
         """Close every stage (concurrently); raises the first failure after all were asked."""
         await _all(enumerate(self._stages), "closing", lambda s: s.close())
@@ -203,15 +218,7 @@ def _combine(results: Sequence[SendResult], *, start: float) -> SendResult:
     checksums: dict[str, str] = {}
     for result in results:
         checksums.update(result.checksums)
-    # A layout is predicted only when every stage predicted its share; each TP rank's digests are the union.
-    layouts = set.intersection(*(set(r.engine_checksums) for r in results))
-    engine_checksums: dict[EngineLayout, tuple[dict[str, str], ...]] = {}
-    for layout in layouts:
-        per_stage = [r.engine_checksums[layout] for r in results]
-        engine_checksums[layout] = tuple(
-            {name: digest for stage in per_stage for name, digest in stage[tp_rank].items()}
-            for tp_rank in range(len(per_stage[0]))
-        )
+    engine_checksums = _unite_engine_checksums([r.engine_checksums for r in results])
     return SendResult(
         num_bytes=sum(r.num_bytes for r in results),
         num_buckets=sum(r.num_buckets for r in results),
@@ -223,6 +230,20 @@ def _combine(results: Sequence[SendResult], *, start: float) -> SendResult:
         engine_checksums=engine_checksums,
         quantize_s=sum(r.quantize_s for r in results),
     )
+
+
+def _unite_engine_checksums(
+    per_stage: Sequence[Mapping[EngineLayout, tuple[dict[str, str], ...]]],
+) -> dict[EngineLayout, tuple[dict[str, str], ...]]:
+    """A layout is predicted only when every stage predicted its share; each TP rank's digests are the union."""
+    layouts = set.intersection(*(set(stage) for stage in per_stage))
+    return {
+        layout: tuple(
+            {name: digest for stage in per_stage for name, digest in stage[layout][tp_rank].items()}
+            for tp_rank in range(len(per_stage[0][layout]))
+        )
+        for layout in layouts
+    }
 
 
 async def _all(stages: Iterable[tuple[int, WeightSource]], what: str, call: Callable[[WeightSource], Any]) -> list[Any]:

@@ -36,7 +36,7 @@ from miles_sync.sync.buffers import DoubleBuffer, FreshBuffers, trim_heap
 from miles_sync.sync.engine_digests import EngineDigester, EngineDigestPlan, EngineLayout, PredictedDigests
 from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, bucket_checksums, bucket_tensors
 from miles_sync.sync.report import BucketProgress
-from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests, WeightSource
 from miles_sync.transport.base import TRANSPORTS, RankSetup, RankTransport, open_rank_transport, transport_spec
 from miles_sync.transport.colocated import PostedPayload
 from miles_sync.transport.feeds import FeedRole
@@ -101,6 +101,7 @@ class Sender(WeightSource):
     """
 
     can_stage = True
+    can_predict = True
 
     def __init__(
         self,
@@ -251,6 +252,50 @@ class Sender(WeightSource):
             stage_s=time.perf_counter() - start,
             engine_layouts=0 if digests is None else len(digests.checksums),
             digest_s=digest_s,
+        )
+
+    async def predict(self, *, selector: Selector, engine_digests: EngineDigestPlan | None = None) -> WeightDigests:
+        """Export, pack and hash every bucket as a send would, and send nothing (WeightSource.predict): each bucket
+        is hashed and freed before the next is packed. Needs no open transport; drops anything staged."""
+        start = time.perf_counter()
+        self._staged = None
+        stream = PackStream(
+            self._export(),
+            cap_bytes=self._settings.bucket_bytes,
+            buffers=FreshBuffers(device=self._device, shared=False),
+            hash_inline=False,
+            quantization=self._settings.quantization,
+        )
+        digester = None
+        if self.is_source and engine_digests:
+            digester = EngineDigester(engine_digests, names=self._names(), selector=selector)
+
+        def hash_all() -> dict[str, str]:
+            if not self.is_source:
+                stream.drain()  # the export's collectives still pair up with the source's
+                return {}
+            checksums: dict[str, str] = {}
+            try:
+                for packed in iter(stream.next_bucket, None):
+                    checksums.update(bucket_checksums(packed.bucket))
+                    if digester is not None:
+                        digester.add(bucket_tensors(packed.bucket))
+            except Exception:
+                with contextlib.suppress(Exception):  # the original failure is the one to report
+                    stream.drain()
+                raise
+            return checksums
+
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-predict")
+        try:
+            checksums = await asyncio.get_running_loop().run_in_executor(worker, hash_all)
+        finally:
+            worker.submit(trim_heap)
+            worker.shutdown(wait=False)
+        return WeightDigests(
+            checksums=checksums,
+            engine_checksums=_engine_checksums(None, digester),
+            predict_s=time.perf_counter() - start,
         )
 
     async def send(

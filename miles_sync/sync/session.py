@@ -68,7 +68,7 @@ from miles_sync.sync.frame import (
 from miles_sync.sync.quantization import check_fleet_quantization
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
-from miles_sync.sync.verify import DRAFT_GUARD, Verdict, fleet_verdicts, weights_digest
+from miles_sync.sync.verify import DRAFT_GUARD, Verdict, sent_verdicts, weights_digest
 from miles_sync.sync.weight_source import SendResult, WeightSource
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
@@ -301,17 +301,13 @@ async def _verify_fleet(
         lambda e: e.weights_checker(with_draft if e.url in guarded else request, timeout_s=fleet.timeout_s),
     )
     answers = {e.url: r.ranks for e, r in zip(fleet.engines, results)}
-    predicted = {
-        url: sent.engine_checksums[layout] for url, layout in layouts.by_url.items() if layout in sent.engine_checksums
-    }
-    unpredicted = {url: "the source sent no digests for its layout" for url in layouts.by_url if url not in predicted}
-    verdicts = fleet_verdicts(
+    verdicts = sent_verdicts(
         answers=answers,
         selector=selector,
-        sent=sent.checksums,
-        hf_named={e.url for e in fleet.engines if _checksum_names(e) is ChecksumNames.HF},
-        predicted=predicted,
-        fallbacks={**layouts.fallbacks, **unpredicted},
+        checksums=sent.checksums,
+        engine_checksums=sent.engine_checksums,
+        layouts=layouts,
+        hf_named=hf_named_urls(fleet.engines),
     )
     failures = []
     for engine in fleet.engines:
@@ -334,9 +330,10 @@ async def _verify_fleet(
         raise SessionError("verification failed: " + " | ".join(failures))
 
 
-def _checksum_names(engine: EngineAPI) -> ChecksumNames:
-    # What connect() learned; an engine never probed is assumed to answer as SGLang does.
-    return ChecksumNames.ENGINE if engine.info is None else engine.info.miles_sync_checksum_names
+def hf_named_urls(engines: Sequence[EngineAPI]) -> set[str]:
+    """The engines whose checker answers HF-named digests (the exact check). What connect() learned; an engine
+    never probed is assumed to answer as SGLang does (engine names)."""
+    return {e.url for e in engines if e.info is not None and e.info.miles_sync_checksum_names is ChecksumNames.HF}
 
 
 async def _abandon(

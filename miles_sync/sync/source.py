@@ -26,7 +26,7 @@ from miles_sync.sync.adapter import AdapterPayload, encode_adapter
 from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import Sender, SenderSettings
-from miles_sync.sync.weight_source import SendResult, StageResult
+from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests
 from miles_sync.transport.colocated import PostedPayload, find_source_rank
 from miles_sync.transport.feeds import FeedPlan, FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
@@ -239,6 +239,22 @@ class ModelSource:
             sender.stage(selector=selector, engine_digests=engine_digests),
             timeout_s=self._call_timeout_s,
             what=f"rank {self._info.rank} staging",
+        )
+
+    def predict(
+        self, *, selector: Selector, engine_digests: EngineDigestPlan | None, settings: SenderSettings
+    ) -> WeightDigests:
+        """Export and hash the current weights without sending them (every rank at once, as for `send`;
+        `Sender.predict`): through the open sender, or, before any open, a sender of `settings` without transport."""
+        sender = self._sender
+        if sender is None:
+            sender = Sender(
+                settings=settings, export=self._export, names=self.exported_names, is_source=self._is_source
+            )
+        return self._loop.run(
+            sender.predict(selector=selector, engine_digests=engine_digests),
+            timeout_s=settings.call_timeout_s,
+            what=f"rank {self._info.rank} hashing its weights",
         )
 
     def progress(self, *, start: int = 0) -> tuple[BucketProgress, ...]:

@@ -3,12 +3,13 @@
 Each engine passes the strongest check its answer allows (`fleet_verdicts`); `Verdict.method` says which ran:
 - "exact" (HF-named digests, the reference engine's default at TP=1, `protocol.ChecksumNames.HF`): the trainer's
   own checksums of what it sent, compared tensor by tensor.
-- "engine-exact" (engine-parameter digests, what SGLang answers: fused names, its TP shard, after
-  post-processing, SGLang's 16-hex CPU hash), when a layout model of the engine exists
-  (miles_sync.sync.engine_digests): the source predicted each rank's digests from the HF tensors it sent, and
-  they are compared per rank, role and parameter.
-- "replica" (engine-parameter digests without a layout model: no weight_layout reported, config unreadable,
-  an unmodeled family, or digests that are not 16-hex CPU hashes, e.g. SGLang's GPU Triton hash): the engines
+- "engine-exact (sha256)" / "engine-exact (gpu-hash)" (engine-parameter digests, what SGLang answers: fused
+  names, its TP shard, after post-processing, SGLang's 16-hex tensor hash: SHA-256 on a CPU server, its Triton
+  kernel on a GPU one), when a layout model of the engine exists (miles_sync.sync.engine_digests): the source
+  predicted each rank's digests, with the engine's hash, from the HF tensors it sent, and they are compared per
+  rank, role and parameter.
+- "replica" (engine-parameter digests without a layout model: no weight_layout or device reported, config
+  unreadable, an unmodeled family or quantization, or digests that are not 16 hex digits): the engines
   that share a layout (same TP size, same names per rank) are compared with each other; an engine passes when its
   answer equals that of a strict majority of its layout group. Two replicas that disagree both fail, since
   nothing says which one is right. Agreement proves the replicas hold the same bytes, not that those are the
@@ -27,6 +28,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from miles_sync.sync.engine_digests import EngineLayout, FleetLayouts
 from miles_sync.weights.checksum import compare_checksums, sglang_parameter_names, sglang_reported_name
 from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_role, role_kind, selector_roles
 from miles_sync.wire.text import shorten
@@ -34,13 +36,18 @@ from miles_sync.wire.text import shorten
 __all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 
 EXACT = "exact"
-ENGINE_EXACT = "engine-exact"
+ENGINE_EXACT = "engine-exact"  # the method family; a verdict names its hash too (`engine_exact`)
 REPLICA = "replica"
 UNVERIFIED = "unverified"
 DRAFT_GUARD = "draft guard"  # a frozen draft's digests changed in a session that left it out (draft_guard)
 _NUM_NAMES_SHOWN = 4
 _NUM_PROBLEMS_SHOWN = 6
-_CPU_DIGEST = re.compile(r"[0-9a-f]{16}")  # SGLang's CPU tensor_hash as its checker prints it
+_HEX_DIGEST = re.compile(r"[0-9a-f]{16}")  # SGLang's tensor_hash (CPU or GPU) as its checker prints it
+
+
+def engine_exact(tensor_hash: str) -> str:
+    """The method of an engine-exact verdict over digests computed with `tensor_hash` ("sha256", "gpu-hash")."""
+    return f"{ENGINE_EXACT} ({tensor_hash})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,10 +109,10 @@ def checksum_problems(
     return problems, num_verified
 
 
-def has_cpu_digests(ranks: Sequence[RankChecksums]) -> bool:
-    """Whether the answer has ranks and every digest in it is SGLang's CPU `tensor_hash` (16 lowercase hex digits),
-    the only engine digest a trainer can predict; a GPU (Triton) hash is not."""
-    return bool(ranks) and all(_CPU_DIGEST.fullmatch(d) for rank in ranks for d in rank.checksums.values())
+def has_hex_digests(ranks: Sequence[RankChecksums]) -> bool:
+    """Whether the answer has ranks and every digest in it has the form of SGLang's `tensor_hash` (16 lowercase hex
+    digits, CPU and GPU alike: which hash it is follows from the server's device, not from the answer)."""
+    return bool(ranks) and all(_HEX_DIGEST.fullmatch(d) for rank in ranks for d in rank.checksums.values())
 
 
 def engine_exact_problems(
@@ -194,13 +201,15 @@ def fleet_verdicts(
     hf_named: Collection[str],
     predicted: Mapping[str, Sequence[Mapping[str, str]]],
     fallbacks: Mapping[str, str] | None = None,
+    hashes: Mapping[str, str] | None = None,
 ) -> dict[str, Verdict]:
     """Every engine's verdict by the strongest check its answer allows (see the module docstring).
 
     `answers`: per engine URL, its checksum answer. `sent`: the trainer's HF checksums of what it sent. `hf_named`:
     URLs answering HF-named digests (exact). `predicted`: per URL with a layout model, the expected per-rank engine
-    digests (engine-exact, when its answer holds CPU digests). Every other engine goes to the replica check;
-    `fallbacks` says why it had no layout model, and a failure message carries that reason.
+    digests (engine-exact, when its answer holds 16-hex digests), computed with `hashes[url]` (default "sha256"),
+    which the verdict names. Every other engine goes to the replica check; `fallbacks` says why it had no layout
+    model, and a failure message carries that reason.
     """
     reasons = dict(fallbacks or {})
     verdicts: dict[str, Verdict] = {}
@@ -211,14 +220,15 @@ def fleet_verdicts(
     for url, expected in predicted.items():
         if url in verdicts:
             continue
-        if not has_cpu_digests(answers[url]):
-            reasons[url] = "its digests are not 16-hex CPU hashes (a GPU hash cannot be predicted)"
+        if not has_hex_digests(answers[url]):
+            reasons[url] = "its digests are not 16-hex tensor hashes"
             continue
         problems, num_verified = engine_exact_problems(
             expected=expected, ranks=answers[url], selector=selector, sent_names=sent.keys()
         )
         message = shorten(problems, limit=_NUM_PROBLEMS_SHOWN, sep="; ")
-        verdicts[url] = Verdict(passed=not problems, method=ENGINE_EXACT, message=message, num_verified=num_verified)
+        method = engine_exact((hashes or {}).get(url, "sha256"))
+        verdicts[url] = Verdict(passed=not problems, method=method, message=message, num_verified=num_verified)
     rest = {url: ranks for url, ranks in answers.items() if url not in verdicts}
     for url, verdict in replica_verdicts(rest, selector=selector).items():
         if url in reasons and not verdict.passed:
@@ -230,6 +240,36 @@ def fleet_verdicts(
             )
         verdicts[url] = verdict
     return verdicts
+
+
+def sent_verdicts(
+    *,
+    answers: Mapping[str, Sequence[RankChecksums]],
+    selector: Selector,
+    checksums: Mapping[str, str],
+    engine_checksums: Mapping[EngineLayout, Sequence[Mapping[str, str]]],
+    layouts: FleetLayouts,
+    hf_named: Collection[str],
+) -> dict[str, Verdict]:
+    """`fleet_verdicts` for what the source sent (or would send): its HF `checksums` and, per layout, its predicted
+    `engine_checksums`; an engine whose layout the source did not predict goes to the replica check, saying so."""
+    predicted = {url: engine_checksums[layout] for url, layout in layouts.by_url.items() if layout in engine_checksums}
+    unpredicted = {url: "the source sent no digests for its layout" for url in layouts.by_url if url not in predicted}
+    return fleet_verdicts(
+        answers=answers,
+        selector=selector,
+        sent=checksums,
+        hf_named=hf_named,
+        predicted=predicted,
+        fallbacks={**layouts.fallbacks, **unpredicted},
+        hashes={url: layout.tensor_hash.value for url, layout in layouts.by_url.items()},
+    )
+
+
+def is_against_trainer(verdict: Verdict) -> bool:
+    """Whether a verdict compared the engine with the trainer's own bytes (exact or engine-exact), not only with
+    other engines (replica) or with nothing (unverified)."""
+    return verdict.method == EXACT or verdict.method.startswith(ENGINE_EXACT)
 
 
 def replica_verdicts(answers: Mapping[str, Sequence[RankChecksums]], *, selector: Selector) -> dict[str, Verdict]:

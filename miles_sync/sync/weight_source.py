@@ -53,6 +53,17 @@ class StageResult:
     digest_s: float = 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class WeightDigests:
+    """What the current weights hash to, computed without sending them (`WeightSource.predict`): `checksums` the
+    HF checksums a send would report, `engine_checksums` per layout of the plan the per-rank engine digests (as
+    `SendResult`'s), `predict_s` the export, pack and hash time."""
+
+    checksums: dict[str, str]
+    engine_checksums: dict[EngineLayout, tuple[dict[str, str], ...]] = field(default_factory=dict)
+    predict_s: float = 0.0
+
+
 class WeightSource(Protocol):
     """The trainer side as the session and controller see it: a local Sender, a pipeline of stage sources, or a proxy
     for trainer actors in other processes. Every member the controller, session and pipeline call is declared here;
@@ -71,13 +82,16 @@ class WeightSource(Protocol):
     engine digests then); `connect` (reach the trainer ranks once, before the first sync; returns what the caller
     reports as its trainer ranks); `check_engines` (refuse engines the transport cannot reach, at connect);
     `num_stages` / `memberships` (pipeline stages: one update group each); `syncs_adapters` / `adapter_payload` /
-    `release_adapter` (LoRA syncs, miles_sync.sync.lora).
+    `release_adapter` (LoRA syncs, miles_sync.sync.lora); `can_predict` / `predict` (export and hash the current
+    weights without sending: what the engines should already hold, for the controller's `check_engines`).
     """
 
     # Whether `stage` packs ahead; the default `stage` refuses.
     can_stage: bool = False
     # Whether `adapter_payload` answers a LoRA adapter; the default refuses.
     syncs_adapters: bool = False
+    # Whether `predict` hashes the current weights without sending them; the default refuses.
+    can_predict: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -115,6 +129,11 @@ class WeightSource(Protocol):
         raise NotImplementedError(f"{type(self).__name__} cannot pack ahead (can_stage is False)")
 
     async def close(self) -> None: ...
+
+    async def predict(self, *, selector: Selector, engine_digests: EngineDigestPlan | None = None) -> WeightDigests:
+        """Export, pack and hash the current weights with `selector` as a send would (every rank takes part), and
+        send nothing; with a plan, also the plan's engine digests. Drops anything staged."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hash its weights without sending (can_predict)")
 
     async def adapter_payload(self, *, tp_sizes: Sequence[int]) -> AdapterPayload:
         raise NotImplementedError(f"{type(self).__name__} syncs no LoRA adapters (syncs_adapters is False)")

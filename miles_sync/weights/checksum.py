@@ -10,8 +10,9 @@ the layout first, so engines with different layouts and the trainer all agree on
 
 The `sglang_*` functions reproduce what SGLang's own weights checker answers instead: the engine's fused parameter
 names (`qkv_proj`, `gate_up_proj`, the stacked MoE experts `experts.w13_weight` / `w2_weight`), the physical bytes,
-each digest the first 8 bytes of SHA-256 over the raw bytes (no header), and SGLang's overall and per-engine
-digests. Predicting a real server's answer needs them.
+each digest the first 8 bytes of SHA-256 over the raw bytes (no header) on a CPU server, SGLang's Triton tensor
+hash on a GPU server (`TensorHash`, `sglang_digest`; miles_sync.weights.gpu_hash computes it on any device), and
+SGLang's overall and per-engine digests. Predicting a real server's answer needs them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from miles_sync.weights.layout import WeightLayout, undo_layout
+from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.dtypes import dtype_name
 
 __all__ = [
+    "TensorHash",
     "compare_checksums",
     "engine_digest",
     "raw_sha256",
@@ -34,8 +37,8 @@ __all__ = [
     "sglang_fused_tensor",
     "sglang_overall_checksum",
     "sglang_parameter_names",
+    "sglang_digest",
     "sglang_reported_name",
-    "sglang_tensor_hash",
     "tensor_checksum",
 ]
 
@@ -218,6 +221,24 @@ def sglang_tensor_hash(t: torch.Tensor) -> str:
     and shape are not hashed), as 16 lowercase hex digits (big-endian, so the hexdigest's first 16 characters)."""
     host = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
     return hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+
+
+class TensorHash(WireEnum):
+    """Which digest an engine's checker answers per parameter: SGLang hashes a CPU tensor with SHA-256
+    (`sglang_tensor_hash`) and a CUDA tensor with its Triton kernel (`sglang_gpu_digest`); both print 16 hex
+    digits, so the answer alone does not say which: the server's device does."""
+
+    SHA256 = "sha256"
+    GPU_HASH = "gpu-hash"
+
+
+def sglang_digest(t: torch.Tensor, kind: TensorHash) -> str:
+    """The digest SGLang's checker prints for `t` on a server hashing with `kind`."""
+    if kind is TensorHash.SHA256:
+        return sglang_tensor_hash(t)
+    from miles_sync.weights.gpu_hash import sglang_gpu_digest  # only a GPU server's digests need it
+
+    return sglang_gpu_digest(t)
 
 
 def sglang_overall_checksum(checksums: Mapping[str, str]) -> str:

@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from miles_sync.weights.checksum import (
+    TensorHash,
+    sglang_digest,
     sglang_fused_tensor,
     sglang_parameter_names,
     sglang_reported_name,
-    sglang_tensor_hash,
 )
 from miles_sync.weights.layout import WeightLayout, layout_spec
 
@@ -254,9 +255,11 @@ def rank_engine_digests(
     shape: TPShape,
     tp_size: int,
     layout: WeightLayout = WeightLayout.NONE,
+    tensor_hash: TensorHash = TensorHash.SHA256,
 ) -> tuple[dict[str, str], ...]:
     """Per TP rank, the checksums a faithful engine's checker answers for these runners: (role name, full HF
-    tensors) pairs, target first; draft-role names get their role as prefix, as SGLang merges them."""
+    tensors) pairs, target first; draft-role names get their role as prefix, as SGLang merges them. `tensor_hash`:
+    the server's (SGLang's CPU SHA-256 or its GPU Triton hash)."""
     roles = list(roles)
     per_rank = []
     for tp_rank in range(tp_size):
@@ -264,6 +267,6 @@ def rank_engine_digests(
         for role_name, tensors in roles:
             engine = rank_engine_tensors(tensors, shape=shape, tp_rank=tp_rank, tp_size=tp_size, layout=layout)
             for name, tensor in engine.items():
-                checksums[sglang_reported_name(role_name, name)] = sglang_tensor_hash(tensor)
+                checksums[sglang_reported_name(role_name, name)] = sglang_digest(tensor, tensor_hash)
         per_rank.append(checksums)
     return tuple(per_rank)

@@ -72,6 +72,9 @@ class ServerInfo:
     model_path: str | None = None
     weight_layout: str | None = None
     device: str | None = None
+    # The digest its checker computes ("sha256", "gpu-hash"; miles_sync.weights.checksum.TensorHash), reference
+    # engine only: a real SGLang server's follows from `device`.
+    miles_sync_tensor_hash: str | None = None
     # The served quantization, as SGLang's server_args name it ("fp8"; None: the checkpoint's dtype), the
     # parameter dtype (a torch name; SGLang may answer "auto") and, for block FP8, the block [rows, cols] the
     # engine expects (reference engine only). A sync checks its own quantization against them before the pause.

@@ -168,7 +168,7 @@ def test_a_trained_draft_is_verified_as_the_target_and_not_guarded(reference_che
         run = run_syncs(server.url, source, inputs=TRAINED, include_mtp=True, steps=(4,))
     (report,) = run.reports
     assert report.committed and report.selector is Selector.ALL and run.held == {}
-    assert report.draft_guard == "" and report.verification in ("exact", "engine-exact")
+    assert report.draft_guard == "" and report.verification in ("exact", "engine-exact (sha256)")
 
 
 def test_the_canary_flags_the_double_shuffle_and_holds_the_engine(reference_checkpoints, source, tmp_path):

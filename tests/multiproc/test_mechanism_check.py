@@ -146,8 +146,8 @@ def test_first_sync_of_unchanged_weights_proves_the_mechanism_and_commits(refere
         again = [checker_requests(p) for p in proxies]
 
     assert first.committed and first.version == "1" and first.error is None, first.error
-    assert first.verification == "mechanism+engine-exact+exact"
-    assert [e.verification for e in first.engines] == ["mechanism+exact", "mechanism+engine-exact"]
+    assert first.verification == "mechanism+engine-exact (sha256)+exact"
+    assert [e.verification for e in first.engines] == ["mechanism+exact", "mechanism+engine-exact (sha256)"]
     assert all(e.success and not e.is_stale for e in first.engines)
     for sequence in calls:
         # At connect, the draft guard's baseline read; after the flush and before begin: snapshot, reset; after the
@@ -170,7 +170,7 @@ def test_first_sync_of_unchanged_weights_proves_the_mechanism_and_commits(refere
         assert [(b["action"], b["selector"]) for b in bodies] == [(a, "target") for a in CHECKER_ACTIONS]
     assert [r.meta_info.weight_version for r in served] == ["1", "1"]
     # Only the first sync: the next one runs the normal verification alone.
-    assert second.committed and second.verification == "engine-exact+exact" and again == [[], []]
+    assert second.committed and second.verification == "engine-exact (sha256)+exact" and again == [[], []]
 
 
 def test_a_parameter_the_sync_never_writes_fails_the_check_and_every_engine_stays_paused(

@@ -207,7 +207,7 @@ def test_distributed_sync_into_a_mixed_fleet_commits_verified_per_rank(fleet, so
         assert report.committed and report.selector is Selector.TARGET, report.error
         assert all(e.success and e.num_verified_tensors > 0 for e in report.engines), report.engines
         # Each TP=2 engine against its per-rank prediction from the bytes sent; the TP=1 engine by HF digests.
-        assert [e.verification for e in report.engines] == ["engine-exact", "engine-exact", "exact"]
+        assert [e.verification for e in report.engines] == ["engine-exact (sha256)", "engine-exact (sha256)", "exact"]
     if staged:  # the one TP=2 layout's digests were predicted while packing ahead, before each pause
         assert [r.engine_layouts for r in source.stage_results] == [1, 1], source.stage_results
         assert all(r.digest_s > 0 for r in source.stage_results)
@@ -239,7 +239,7 @@ def test_colocated_sync_posts_one_payload_per_rank_and_commits_verified(fleet, s
 
     report = asyncio.run(main())
     assert report.committed and report.selector is Selector.ALL, report.error
-    assert [e.verification for e in report.engines] == ["engine-exact", "engine-exact", "exact"]
+    assert [e.verification for e in report.engines] == ["engine-exact (sha256)", "engine-exact (sha256)", "exact"]
     assert len({e.num_verified_tensors for e in report.engines}) == 1  # every sent tensor, target and draft
     tensors, num_layers = checkpoint
     expected = expected_ranks(

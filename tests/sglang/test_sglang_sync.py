@@ -170,8 +170,10 @@ def test_syncs_into_real_servers_are_verified_engine_exact(servers, source, chec
     reports, answers, versions = asyncio.run(main())
     for report, responses in zip(reports, answers):
         assert report.committed and report.error is None and report.selector is Selector.ALL
-        assert report.verification == "engine-exact", report
-        assert all(e.verification == "engine-exact" and e.num_verified_tensors == num_tensors for e in report.engines)
+        assert report.verification == "engine-exact (sha256)", report
+        assert all(
+            e.verification == "engine-exact (sha256)" and e.num_verified_tensors == num_tensors for e in report.engines
+        )
         for response in responses:  # SGLang's meta_info, decoded: the version that produced every token
             assert response.meta_info.weight_version == report.version
             assert response.meta_info.weight_versions == (WeightVersionSpan(version=report.version, start=0, end=6),)
@@ -223,7 +225,7 @@ def test_a_failed_verification_holds_real_servers_with_their_weights_untouched(
     sent = engine_digests(weights_at_step(checkpoint[0], 4), num_layers=checkpoint[1])
     assert not failure.committed and "verification failed" in failure.error
     for url in urls:
-        assert f"{url} (engine-exact): " in failure.error and named in failure.error, failure.error
+        assert f"{url} (engine-exact (sha256)): " in failure.error and named in failure.error, failure.error
     assert sorted(held) == sorted(urls) and serving == () and committed == previous
     assert paused == [True, True]
     # Not randomized: every parameter holds its value from before or, for the ones the failed sync sent, a new one;
@@ -233,8 +235,37 @@ def test_a_failed_verification_holds_real_servers_with_their_weights_untouched(
         if "skip_names" in faulty:
             assert new["model.norm.weight"] == old["model.norm.weight"]
             assert all(new[n] == sent[n] for n in new if n != "model.norm.weight")
-    assert recovered.committed and recovered.verification == "engine-exact"
+    assert recovered.committed and recovered.verification == "engine-exact (sha256)"
     assert [r.meta_info.weight_version for r in resumed] == [recovered.version] * 2
+
+
+def test_servers_holding_another_version_are_found_without_a_sync_and_pass_once_synced(servers, source):
+    """The check before round 0 (SyncController.check_engines) against real servers that hold an earlier run's
+    weights: the trainer's weights of step 7 are hashed on the sender, not sent; each server's own checker answers,
+    engine-exact with SHA-256 (a CPU server); both are named with the parameters that differ, nothing is written
+    to them (a second check answers the same), and after one sync both pass."""
+    urls = [proxy.url for _, proxy in servers]
+
+    async def main():
+        await source.call("configure", settings("distributed"))
+        await source.call("step", 7)
+        ctl = controller(urls, source)
+        await ctl.connect()
+        try:
+            before = [await engine_checksums(u) for u in urls]
+            stale = await ctl.check_engines()
+            after = [await engine_checksums(u) for u in urls]
+            report = await ctl.sync()
+            return before, stale, after, report, await ctl.check_engines()
+        finally:
+            await ctl.close()
+
+    before, stale, after, report, synced = asyncio.run(main())
+    assert stale.selector is Selector.ALL and stale.to_sync == tuple(urls), stale.summary()
+    assert all(e.method == "engine-exact (sha256)" and "differs" in e.message for e in stale.engines), stale.summary()
+    assert after == before  # the check wrote nothing
+    assert report.committed and report.verification == "engine-exact (sha256)", report
+    assert synced.to_sync == () and all(e.holds_trainer_weights for e in synced.engines), synced.summary()
 
 
 def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, source):
@@ -266,7 +297,7 @@ def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, 
     assert elapsed < TIMEOUTS.sync_s, f"the failed sync took {elapsed:.1f} s"
     assert [(r["rank_offset"], r["world_size"]) for r in init_requests] == [(3, 4)]
     assert [r.meta_info.weight_version for r in served] == [committed.version] * 2
-    assert recovered.committed and recovered.verification == "engine-exact"
+    assert recovered.committed and recovered.verification == "engine-exact (sha256)"
 
 
 def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_resumed(servers, source, checkpoint):
@@ -314,5 +345,5 @@ def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_r
     sent = engine_digests(weights_at_step(tensors, 6), num_layers=num_layers)
     mixed = {n for n in after if after[n] != before[n]}
     assert all(after[n] == sent[n] for n in mixed), sorted(n for n in mixed if after[n] != sent[n])
-    assert recovered.committed and recovered.verification == "engine-exact"
+    assert recovered.committed and recovered.verification == "engine-exact (sha256)"
     assert served.meta_info.weight_version == recovered.version

@@ -58,9 +58,9 @@ def test_a_tp2_server_is_verified_engine_exact_per_rank(server, source, referenc
         return report, answer
 
     report, answer = asyncio.run(main())
-    assert report.committed and report.verification == "engine-exact", report
+    assert report.committed and report.verification == "engine-exact (sha256)", report
     (engine,) = report.engines
-    assert engine.verification == "engine-exact" and engine.num_verified_tensors == num_tensors
+    assert engine.verification == "engine-exact (sha256)" and engine.num_verified_tensors == num_tensors
     # Two ranks answered, each its own shard: the vocab-parallel embedding differs between them.
     assert sorted(r.parallelism_info[0].tp_rank for r in answer.ranks) == [0, 1]
     embed = "model.embed_tokens.weight"

@@ -10,6 +10,7 @@ SGLang engine does."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 
@@ -28,10 +29,10 @@ from miles_sync.sync.engine_digests import (
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts, run_sync_session
-from miles_sync.sync.verify import ENGINE_EXACT, REPLICA, UNVERIFIED, fleet_verdicts
+from miles_sync.sync.verify import REPLICA, UNVERIFIED, engine_exact, fleet_verdicts
 from miles_sync.transport.base import TRANSPORTS, TransportSpec, source_rank
 from miles_sync.transport.membership import EngineEndpoint
-from miles_sync.weights.checksum import sglang_overall_checksum
+from miles_sync.weights.checksum import TensorHash, sglang_overall_checksum
 from miles_sync.weights.engine_layout import TPShape, rank_engine_digests
 from miles_sync.weights.layout import WeightLayout, can_shuffle, shuffle_weight
 from miles_sync.wire.api import ServerInfo
@@ -51,6 +52,8 @@ from miles_sync.wire.protocol import (
 pytestmark = pytest.mark.unit
 
 # A tiny Qwen3 with one decoder layer and a DeepSeek-style MTP head at layer index 1 (num_hidden_layers).
+SHA256_EXACT = engine_exact("sha256")  # what a CPU (SHA-256) engine-exact verdict is named
+
 CONFIG = {
     "model_type": "qwen3",
     "hidden_size": 64,
@@ -63,6 +66,7 @@ CONFIG = {
     "tie_word_embeddings": False,
 }
 SHAPE = TPShape.from_config(CONFIG)
+MOE_CONFIG = {**CONFIG, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32}
 
 
 def decoder_layer(prefix: str) -> dict[str, tuple[int, ...]]:
@@ -295,6 +299,19 @@ STAGINGS = {
 }
 
 
+def test_the_sender_predicts_sglangs_gpu_hash_for_a_gpu_servers_layout(memory):
+    """A GPU server's layout: every rank's digests with the Triton hash, fused groups completed across buckets
+    (the GPU hash mixes each word with its position, so a group waits for all its parts)."""
+    target = hf_tensors(TARGET_SHAPES, seed=1)
+    gpu = dataclasses.replace(layout(2, WeightLayout.NONE, draft=False), tensor_hash=TensorHash.GPU_HASH)
+    plan = EngineDigestPlan(layouts=(gpu,))
+    _, result = stage_and_send(make_sender(target), selector=Selector.TARGET, plan=plan, stage=None)
+    expected = rank_engine_digests([("target", target)], shape=SHAPE, tp_size=2, tensor_hash=TensorHash.GPU_HASH)
+    assert result.engine_checksums[gpu] == expected
+    sha = rank_engine_digests([("target", target)], shape=SHAPE, tp_size=2)
+    assert all(expected[r][n] != sha[r][n] for r in range(2) for n in expected[r])
+
+
 @pytest.mark.parametrize("staging", list(STAGINGS))
 def test_the_sender_predicts_every_ranks_digests_with_sglangs_formulas(memory, staging):
     target, draft = hf_tensors(TARGET_SHAPES, seed=1), hf_tensors(MTP_SHAPES, seed=2)
@@ -397,11 +414,29 @@ def test_a_cpu_sglang_server_without_a_weight_layout_hashes_its_parameters_as_lo
     )
 
 
+def test_a_cuda_sglang_server_is_modeled_with_the_gpu_hash_and_no_post_processing():
+    # What a real SGLang GPU server reports: no weight_layout, device "cuda": its checker hashes each unquantized
+    # dense parameter as loaded, with the Triton kernel (miles_sync.weights.gpu_hash).
+    server = ServerInfo(tp_size=2, model_path="/m", device="cuda")
+    layout = engine_layout(info=server, config=CONFIG, draft=None, selector=Selector.ALL)
+    assert (layout.weight_layout, layout.tensor_hash, layout.tp_size) == (WeightLayout.NONE, TensorHash.GPU_HASH, 2)
+    cpu = engine_layout(
+        info=ServerInfo(model_path="/m", device="cpu"), config=CONFIG, draft=None, selector=Selector.ALL
+    )
+    assert cpu.tensor_hash is TensorHash.SHA256
+    # The reference engine says how it hashes, whatever its device.
+    reference = ServerInfo(model_path="/m", device="cpu", weight_layout="aiter", miles_sync_tensor_hash="gpu-hash")
+    assert engine_layout(info=reference, config=CONFIG, draft=None, selector=Selector.ALL).tensor_hash is (
+        TensorHash.GPU_HASH
+    )
+
+
 @pytest.mark.parametrize(
     ("info", "config", "reason"),
     [
         (dict(weight_layout=None), CONFIG, "reports neither its weight_layout nor its device"),
-        (dict(weight_layout=None, device="cuda"), CONFIG, "a cuda server hashes on its device"),
+        (dict(weight_layout=None, device="xpu"), CONFIG, "a 'xpu' server's post-processing is not modeled"),
+        (dict(weight_layout=None, device="cuda"), MOE_CONFIG, "may post-process its MoE experts"),
         (dict(weight_layout="marlin"), CONFIG, "weight_layout 'marlin' is not modeled"),
         (dict(weight_layout="none"), None, "no readable config.json under model_path '/m'"),
         (dict(weight_layout="none"), {**CONFIG, "model_type": "deepseek_v3"}, "model_type 'deepseek_v3'"),
@@ -561,14 +596,14 @@ def test_a_session_verifies_tp2_engines_engine_exact_and_names_a_corrupted_shard
         ]
 
     good = sync(engines(), make_sender(new), inputs=TRAINED_DRAFT)
-    assert good.committed and good.selector is Selector.ALL and good.verification == ENGINE_EXACT, good.error
-    assert all(e.verification == ENGINE_EXACT and e.num_verified_tensors == len(new) for e in good.engines)
-    assert "verification: engine-exact" in good.summary()
+    assert good.committed and good.selector is Selector.ALL and good.verification == SHA256_EXACT, good.error
+    assert all(e.verification == SHA256_EXACT and e.num_verified_tensors == len(new) for e in good.engines)
+    assert "verification: engine-exact (sha256)" in good.summary()
 
     memory.instances.clear()
     bad = sync(engines(corrupt=(1, QKV)), make_sender(new), inputs=TRAINED_DRAFT)
     assert not bad.committed
-    assert f"http://e2 (engine-exact): rank 1 target {QKV} differs: expected " in bad.error
+    assert f"http://e2 (engine-exact (sha256)): rank 1 target {QKV} differs: expected " in bad.error
     failed = {e.url: e for e in bad.engines}["http://e2"]
     assert failed.is_stale and f"rank 1 target {QKV} differs" in failed.message
     assert all(e.success for e in bad.engines if e.url != "http://e2")
@@ -595,8 +630,8 @@ def test_a_frozen_draft_is_not_read_and_unmodeled_engines_fall_back(memory, mode
     assert result.committed and result.selector is Selector.TARGET, result.error
     methods = {e.url: e.verification for e in result.engines}
     # b reports no weight_layout (as SGLang), c (TP=4) answers GPU hashes: each is alone in its replica group
-    assert methods == {"http://a": ENGINE_EXACT, "http://b": UNVERIFIED, "http://c": UNVERIFIED}
-    assert result.verification == "engine-exact+unverified"
+    assert methods == {"http://a": SHA256_EXACT, "http://b": UNVERIFIED, "http://c": UNVERIFIED}
+    assert result.verification == "engine-exact (sha256)+unverified"
 
 
 def test_plan_engine_digests_covers_only_engine_named_engines_with_a_model(model_dir):
@@ -622,7 +657,7 @@ def test_plan_engine_digests_covers_only_engine_named_engines_with_a_model(model
     assert set(fleet.fallbacks) == {"http://sglang"} and "weight_layout" in fleet.fallbacks["http://sglang"]
 
 
-def test_gpu_hashes_fall_back_to_the_replica_check():
+def test_answers_that_are_not_16_hex_digests_fall_back_to_the_replica_check():
     digests = ({"w": "00000000000000a1"}, {"w": "00000000000000a2"})
 
     def answer(suffix=""):
@@ -638,4 +673,4 @@ def test_gpu_hashes_fall_back_to_the_replica_check():
         predicted={url: digests for url in ("http://a", "http://b", "http://c")},
     )
     assert verdicts["http://a"].method == verdicts["http://b"].method == REPLICA
-    assert verdicts["http://c"].method == ENGINE_EXACT and verdicts["http://c"].passed
+    assert verdicts["http://c"].method == SHA256_EXACT and verdicts["http://c"].passed

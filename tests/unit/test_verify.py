@@ -11,6 +11,7 @@ from miles_sync.sync.verify import (
     REPLICA,
     UNVERIFIED,
     checksum_problems,
+    engine_exact,
     engine_exact_problems,
     fleet_verdicts,
     replica_verdicts,
@@ -234,5 +235,5 @@ def test_fleet_verdicts_pick_the_strongest_check_each_answer_allows():
         predicted={"http://predicted": PREDICTED},
     )
     assert verdicts["http://hf"].method == EXACT and verdicts["http://hf"].passed
-    assert verdicts["http://predicted"].method == ENGINE_EXACT and verdicts["http://predicted"].passed
+    assert verdicts["http://predicted"].method == engine_exact("sha256") and verdicts["http://predicted"].passed
     assert verdicts["http://lone"].method == UNVERIFIED and verdicts["http://lone"].passed

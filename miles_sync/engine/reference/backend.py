@@ -18,6 +18,7 @@ import torch
 from miles_sync.engine.reference.groups import UpdateGroups
 from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.engine.reference.weights_checker import WeightsChecker
+from miles_sync.weights.checksum import TensorHash
 from miles_sync.wire.bucket import BucketEntry, TensorMeta, unpack_bucket
 from miles_sync.wire.payload import decode_payload
 from miles_sync.wire.protocol import ChecksumNames, Role, WeightsCheckerRequest, WeightsCheckerResult
@@ -64,6 +65,7 @@ class WeightBackend(Protocol):
 
     tp_size: int
     checksum_names: ChecksumNames
+    tensor_hash: TensorHash
     failure: str | None  # why the weights can no longer be served (a rank process died), None while healthy
     rank_pids: tuple[int | None, ...]  # the TP rank processes, empty when the weights live in the engine's own
 
@@ -95,19 +97,29 @@ class LocalBackend:
         draft_role: str = Role.DRAFT.value,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tensor_hash: TensorHash = TensorHash.SHA256,
     ) -> None:
         """`tp_rank`/`tp_size`: where these runners sit in their engine, as the checker reports it (a rank process
         of a multi-rank engine drives its own slice through a LocalBackend; it still decodes one payload)."""
         self._timeout_s = timeout_s
         self._groups = UpdateGroups(timeout_s=timeout_s)
         self._checker = WeightsChecker(
-            runners, checksum_names=checksum_names, draft_role=draft_role, tp_rank=tp_rank, tp_size=tp_size
+            runners,
+            checksum_names=checksum_names,
+            draft_role=draft_role,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            tensor_hash=tensor_hash,
         )
         self._receive_buffer: torch.Tensor | None = None  # see _bucket_buffer
 
     @property
     def checksum_names(self) -> ChecksumNames:
         return self._checker.checksum_names
+
+    @property
+    def tensor_hash(self) -> TensorHash:
+        return self._checker.tensor_hash
 
     def join_group(
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str

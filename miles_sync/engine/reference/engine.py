@@ -38,7 +38,7 @@ from miles_sync.engine.reference.runner import dtype_str
 from miles_sync.engine.reference.runner_api import ServedRunner
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.settings import FinalizePolicy
-from miles_sync.weights.checksum import sglang_parameter_names
+from miles_sync.weights.checksum import TensorHash, sglang_parameter_names
 from miles_sync.wire.bucket import BucketEntry, TensorMeta, layout_from_metadata
 from miles_sync.wire.draft import DraftKind, DraftReport
 from miles_sync.wire.dtypes import dtype_from_name
@@ -109,6 +109,7 @@ class ReferenceEngine:
         collective_timeout_s: float = 120.0,
         draft_is_frozen: bool = False,
         checksum_names: ChecksumNames = ChecksumNames.HF,
+        tensor_hash: TensorHash = TensorHash.SHA256,
         draft_role: str = Role.DRAFT.value,
         backend: WeightBackend | None = None,
         adapters: Any = None,
@@ -145,7 +146,11 @@ class ReferenceEngine:
         self._adapters = adapters
         # TP=1 runners live here; a multi-rank engine passes the backend that drives its rank processes.
         self._backend: WeightBackend = backend or LocalBackend(
-            self._runners, timeout_s=collective_timeout_s, checksum_names=checksum_names, draft_role=draft_role
+            self._runners,
+            timeout_s=collective_timeout_s,
+            checksum_names=checksum_names,
+            draft_role=draft_role,
+            tensor_hash=tensor_hash,
         )
 
     # ---- state -------------------------------------------------------------------------------------------------
@@ -164,6 +169,11 @@ class ReferenceEngine:
     def checksum_names(self) -> ChecksumNames:
         """What /weights_checker checksum answers: HF names and logical bytes, or SGLang's engine names and bytes."""
         return self._backend.checksum_names
+
+    @property
+    def tensor_hash(self) -> TensorHash:
+        """How /weights_checker's engine-named digests are computed (SGLang's CPU or GPU tensor hash)."""
+        return self._backend.tensor_hash
 
     @property
     def tp_size(self) -> int:

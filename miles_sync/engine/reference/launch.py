@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from miles_sync.engine.command import LaunchCommand
 from miles_sync.engine.settings import EngineSettings, FinalizePolicy, LoraSettings
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE
+from miles_sync.weights.checksum import TensorHash
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import ChecksumNames
@@ -39,6 +40,8 @@ class ReferenceEngineSpec:
     # What /weights_checker checksum answers: ENGINE is what SGLang's checker answers (engine parameters, per TP
     # rank); None is the server's default (HF names at TP=1, engine parameters at TP>1).
     checksum_names: ChecksumNames | None = None
+    # How engine-named digests are computed: SGLang's CPU SHA-256, or GPU_HASH to answer as a CUDA server does.
+    tensor_hash: TensorHash = TensorHash.SHA256
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ReferenceEngineSpec:
@@ -71,6 +74,8 @@ class ReferenceEngineSpec:
             problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive (or None)")
         if self.checksum_names is not None and self.tp_size > 1 and self.checksum_names is not ChecksumNames.ENGINE:
             problems.append(f"checksum_names={self.checksum_names.value!r} needs tp_size 1: TP ranks hold shards")
+        if TensorHash(self.tensor_hash) is not TensorHash.SHA256 and self.checksum_names is not ChecksumNames.ENGINE:
+            problems.append(f"tensor_hash={TensorHash(self.tensor_hash).value!r} needs checksum_names=ENGINE")
         if (self.draft_dir is not None) != (DraftKind(self.draft_kind) is DraftKind.STANDALONE):
             problems.append(f"draft_dir={self.draft_dir!r} must be given exactly for draft_kind 'standalone'")
         raise_if(problems, what="invalid ReferenceEngineSpec")
@@ -107,6 +112,8 @@ class ReferenceEngineSpec:
             argv += ["--collective-timeout-s", str(self.collective_timeout_s)]
         if self.checksum_names is not None:
             argv += ["--checksum-names", ChecksumNames(self.checksum_names).value]
+        if TensorHash(self.tensor_hash) is not TensorHash.SHA256:
+            argv += ["--tensor-hash", TensorHash(self.tensor_hash).value]
         if self.lora is not None:
             argv += ["--enable-lora", "--max-lora-rank", str(self.lora.max_rank)]
             argv += ["--lora-target-modules", *self.lora.target_modules]

@@ -33,6 +33,7 @@ from miles_sync.engine.reference.lora import AdapterSet, PreparedAdapter, build_
 from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.sharded import ShardedRunner, load_sharded_runners
 from miles_sync.engine.settings import LoraSettings
+from miles_sync.weights.checksum import TensorHash
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.bucket import BucketEntry
 from miles_sync.wire.dtypes import dtype_name
@@ -60,6 +61,7 @@ class RankArgs:
     collective_timeout_s: float
     num_threads: int | None
     lora: LoraSettings | None = None  # None: LoRA not enabled
+    tensor_hash: TensorHash = TensorHash.SHA256  # how the checker's digests are computed (CPU or GPU SGLang hash)
 
 
 class _Rank:
@@ -77,6 +79,7 @@ class _Rank:
             draft_role=args.draft_role,
             tp_rank=args.tp_rank,
             tp_size=args.tp_size,
+            tensor_hash=args.tensor_hash,
         )
         self._staged: list | None = None  # one payload at a time: the front serializes weight operations
         self._adapters: AdapterSet | None = None

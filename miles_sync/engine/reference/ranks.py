@@ -35,7 +35,7 @@ from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.rank_worker import CHANNELS, RankArgs, rank_main
 from miles_sync.engine.reference.runner_api import ServedRunner
 from miles_sync.transport.group import start_store_server
-from miles_sync.weights.checksum import sglang_parameter_names
+from miles_sync.weights.checksum import TensorHash, sglang_parameter_names
 from miles_sync.wire.bucket import BucketEntry, TensorMeta
 from miles_sync.wire.dtypes import dtype_from_name
 from miles_sync.wire.protocol import (
@@ -182,6 +182,7 @@ def start_rank_engine(
     collective_timeout_s: float,
     num_threads: int | None,
     lora: Any = None,
+    tensor_hash: TensorHash = TensorHash.SHA256,
 ) -> tuple[RankFleet, dict[str, Any]]:
     """Start the rank processes and wait until every rank loaded its shards; returns the fleet and rank 0's
     metadata (the full HF names, shapes and dtypes per role). Raises ValueError naming the refusal of any rank
@@ -204,6 +205,7 @@ def start_rank_engine(
             collective_timeout_s=collective_timeout_s,
             num_threads=num_threads,
             lora=lora,
+            tensor_hash=TensorHash(tensor_hash),
         )
         child_ends = {name: child for name, (_, child) in pipes.items()}
         process = context.Process(target=rank_main, args=(args, child_ends), name=f"tp-rank-{tp_rank}", daemon=True)
@@ -332,8 +334,11 @@ class RankBackend:
 
     checksum_names = ChecksumNames.ENGINE  # a rank holds shards: SGLang's checker names only
 
-    def __init__(self, fleet: RankFleet, *, weights_lock: threading.RLock) -> None:
+    def __init__(
+        self, fleet: RankFleet, *, weights_lock: threading.RLock, tensor_hash: TensorHash = TensorHash.SHA256
+    ) -> None:
         self._fleet = fleet
+        self.tensor_hash = TensorHash(tensor_hash)  # every rank process hashes this way (RankArgs)
         self._weights_lock = weights_lock
 
     @property

@@ -54,6 +54,7 @@ from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.server import ServerSettings, create_app
 from miles_sync.engine.settings import FinalizePolicy, LoraSettings
 from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, read_environment
+from miles_sync.weights.checksum import TensorHash
 from miles_sync.weights.engine_layout import TPShape, tp_problems
 from miles_sync.weights.fp8 import block_from_config
 from miles_sync.weights.fp8_checkpoint import fp8_serving_problems
@@ -90,6 +91,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="hf: HF names, logical bytes (the default at TP=1); engine: SGLang's checker (fused engine names, "
         "physical bytes; the default and only choice at TP > 1)",
     )
+    parser.add_argument(
+        "--tensor-hash",
+        choices=[h.value for h in TensorHash],
+        default=TensorHash.SHA256.value,
+        help="how engine-named digests are computed: sha256 (SGLang's CPU tensor_hash) or gpu-hash (its CUDA "
+        "Triton hash, computed here on the CPU, so a CPU test answers as a GPU server does); needs engine names",
+    )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each")
     parser.add_argument("--draft-role", choices=DRAFT_ROLES, default=DRAFT_ROLES[0])
     parser.add_argument("--host", default=env.host)
@@ -124,6 +132,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.checksum_names = (ChecksumNames.HF if args.tp_size == 1 else ChecksumNames.ENGINE).value
     elif args.tp_size > 1 and args.checksum_names != ChecksumNames.ENGINE.value:
         problems.append(f"--checksum-names {args.checksum_names} needs --tp-size 1: TP ranks hold shards")
+    if args.tensor_hash != TensorHash.SHA256.value and args.checksum_names != ChecksumNames.ENGINE.value:
+        problems.append(f"--tensor-hash {args.tensor_hash} needs --checksum-names engine")
     if args.spec_steps < 1:
         problems.append(f"--spec-steps {args.spec_steps} must be >= 1")
     if not 0 <= args.port < 2**16:
@@ -181,6 +191,7 @@ def _engine(
         collective_timeout_s=args.collective_timeout_s,
         draft_is_frozen=args.draft_is_frozen,
         checksum_names=ChecksumNames(args.checksum_names),
+        tensor_hash=TensorHash(args.tensor_hash),
         draft_role=args.draft_role,
         backend=backend,
         adapters=adapters,
@@ -210,6 +221,7 @@ def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
         collective_timeout_s=args.collective_timeout_s,
         num_threads=args.threads,
         lora=_lora_settings(args),
+        tensor_hash=TensorHash(args.tensor_hash),
     )
     try:
         lock = threading.RLock()  # the front's weights lock: forward steps and weight writes, across all ranks
@@ -220,7 +232,13 @@ def _build_rank_engine(args: argparse.Namespace) -> ReferenceEngine:
                 fleet, role=Role.DRAFT, config=draft_config, metadata=metadata["draft"], weights_lock=lock
             )
         adapters = None if not args.enable_lora else RankAdapters(fleet)
-        return _engine(args, target, draft, backend=RankBackend(fleet, weights_lock=lock), adapters=adapters)
+        return _engine(
+            args,
+            target,
+            draft,
+            backend=RankBackend(fleet, weights_lock=lock, tensor_hash=TensorHash(args.tensor_hash)),
+            adapters=adapters,
+        )
     except BaseException:
         fleet.close()
         raise

@@ -276,6 +276,7 @@ def create_app(
                 "dtype": settings.dtype,
                 "finalize_policy": engine.finalize_policy.value,
                 CHECKSUM_NAMES_KEY: engine.checksum_names.value,
+                "miles_sync_tensor_hash": engine.tensor_hash.value,
                 "version": f"miles_sync-reference-{__version__}",
                 "weight_version": launch_weight_version,
                 "internal_states": [

@@ -28,14 +28,15 @@ import torch
 
 from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.weights.checksum import (
+    TensorHash,
     engine_digest,
     role_checksums,
+    sglang_digest,
     sglang_engine_checksum,
     sglang_fused_tensor,
     sglang_overall_checksum,
     sglang_parameter_names,
     sglang_reported_name,
-    sglang_tensor_hash,
 )
 from miles_sync.weights.fp8 import scale_name, sglang_dequantized, weight_name
 from miles_sync.weights.layout import undo_layout
@@ -72,7 +73,12 @@ class WeightsChecker:
         draft_role: str = Role.DRAFT.value,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tensor_hash: TensorHash = TensorHash.SHA256,
     ) -> None:
+        """`tensor_hash`: how engine-named digests are computed (SGLang's CPU SHA-256, or its GPU Triton hash as a
+        CUDA server answers); HF-named answers are miles_sync's own checksums, so they take SHA-256 only."""
+        if TensorHash(tensor_hash) is not TensorHash.SHA256 and ChecksumNames(checksum_names) is ChecksumNames.HF:
+            raise ValueError(f"tensor hash {TensorHash(tensor_hash).value!r} applies to engine checksum names only")
         if role_kind(draft_role) is not Role.DRAFT:
             raise ValueError(f"draft_role {draft_role!r} is not a draft role ('draft' or 'draft_step_<i>')")
         sharded = [role.value for role, runner in runners.items() if runner.holds_shards]
@@ -80,6 +86,7 @@ class WeightsChecker:
             raise ValueError(f"the {', '.join(sharded)} runner(s) hold TP shards: only engine checksum names apply")
         self._runners = runners
         self._names = ChecksumNames(checksum_names)
+        self._hash = TensorHash(tensor_hash)
         self._role_names = {Role.TARGET: Role.TARGET.value, Role.DRAFT: draft_role}
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._parts: dict[Role, _Parts] = {
@@ -90,6 +97,10 @@ class WeightsChecker:
     @property
     def checksum_names(self) -> ChecksumNames:
         return self._names
+
+    @property
+    def tensor_hash(self) -> TensorHash:
+        return self._hash
 
     def handle(self, request: WeightsCheckerRequest, *, roles: set[Role]) -> WeightsCheckerResult:
         """Run one action over the runners of `roles`; raises ValueError when it fails (compare mismatch, ...)."""
@@ -127,11 +138,11 @@ class WeightsChecker:
             role_name = self._role_names[runner.role]
             with runner.weights_lock:
                 if self._names is ChecksumNames.ENGINE and runner.quantization is not None:
-                    answered = _fp8_engine_digests(runner, selected)
+                    answered = _fp8_engine_digests(runner, selected, self._hash)
                 elif self._names is ChecksumNames.ENGINE:
                     stored = runner.stored_tensors()
                     answered = {
-                        name: sglang_tensor_hash(_fused([stored[part] for part in parts]))
+                        name: sglang_digest(_fused([stored[part] for part in parts]), self._hash)
                         for name, parts in selected.items()
                     }
                 else:
@@ -208,7 +219,7 @@ def _checker_parts(runner: StoredRunner, names: ChecksumNames) -> _Parts:
     return {name: (name,) for name in runner.owned_names()}
 
 
-def _fp8_engine_digests(runner: StoredRunner, selected: _Parts) -> dict[str, str]:
+def _fp8_engine_digests(runner: StoredRunner, selected: _Parts, kind: TensorHash) -> dict[str, str]:
     """Engine-name digests of a block-FP8 runner (SGLang's checker): a parameter whose parts all have scales is
     hashed as its bfloat16 dequantization, the scales' own entries are left out, everything else as stored."""
     stored = runner.stored_tensors()
@@ -223,9 +234,9 @@ def _fp8_engine_digests(runner: StoredRunner, selected: _Parts) -> dict[str, str
             fused = sglang_dequantized(
                 sglang_fused_tensor(name, codes), sglang_fused_tensor(name, scales), runner.quantization.block
             )
-            answered[name] = sglang_tensor_hash(fused)
+            answered[name] = sglang_digest(fused, kind)
         else:
-            answered[name] = sglang_tensor_hash(_fused([stored[part] for part in parts]))
+            answered[name] = sglang_digest(_fused([stored[part] for part in parts]), kind)
     return answered
 
 
