@@ -63,3 +63,31 @@ def test_a_view_hashes_like_its_contiguous_copy():
     base = case_tensor("float32", [64, 96], 4)
     assert sglang_gpu_digest(base.t()) == sglang_gpu_digest(base.t().contiguous())
     assert sglang_gpu_digest(base[:, 1::2]) == sglang_gpu_digest(base[:, 1::2].contiguous())
+
+
+def test_the_constants_are_the_released_wheels(sglang_wheel):
+    """Re-derived from the sglang 0.5.23 wheel: the kernel's constants and launch defaults, CUDA tensors routed to
+    it by tensor_hash, and the checker's 16-hex format. A new SGLang that changes any of them fails here."""
+    import re
+    import zipfile
+
+    from miles_sync.weights import gpu_hash
+
+    with zipfile.ZipFile(sglang_wheel("0.5.23")) as wheel:
+        kernel = wheel.read("sglang/kernels/ops/memory/gpu_tensor_hash.py").decode()
+        mm_utils = wheel.read("sglang/srt/managers/mm_utils.py").decode()
+        checker = wheel.read("sglang/srt/utils/weight_checker.py").decode()
+
+    def constant(name: str) -> int:
+        return int(re.search(rf"^{name} = (0x[0-9A-Fa-f]+)$", kernel, re.M).group(1), 16)
+
+    def default(name: str) -> int:
+        return int(re.search(rf"{name}: int = (0x[0-9A-Fa-f]+|\d+)", kernel).group(1), 0)
+
+    assert (constant("FMIX32_C1"), constant("FMIX32_C2")) == (int(gpu_hash._FMIX_C1), int(gpu_hash._FMIX_C2))
+    assert (constant("POS_C1"), constant("POS_C2")) == tuple(position for position, _, _ in gpu_hash._KEYS)
+    assert default("seed") == gpu_hash._SEED and default("tile_words") == gpu_hash._TILE_WORDS
+    assert "((seed * 0x9E3779B1) ^ 0xDEADBEEF) & 0xFFFFFFFF" in kernel
+    assert "_rotl32(iu, 15)" in kernel and "_rotl32(iu, 13)" in kernel
+    assert "return gpu_tensor_hash(tensor.cuda())" in mm_utils
+    assert 'return f"{tensor_hash(t):016x}"' in checker
