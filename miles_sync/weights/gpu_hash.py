@@ -17,8 +17,9 @@ deterministic function of the tensor's bytes. Read from that file, the function 
 
 Everything but the final two steps is elementwise or a sum, so it vectorizes in numpy's wrapping uint32 arithmetic,
 in place, chunk by chunk (whole tiles, so memory stays bounded): about 1.35x SHA-256's time per byte on one core
-here (64 MiB of bf16: 0.050 s vs 0.037 s). Checked against SGLang's own kernels run by Triton's CPU
-interpreter (tests/data/gpu_hash_cases.json).
+here (64 MiB of bf16: 0.050 s vs 0.037 s). Consequences: dtype and shape do not enter the hash, and up to three
+trailing zero bytes vanish into the padding (bytes 01 02 03 and 01 02 03 00 hash alike). Checked against SGLang's
+own `gpu_tensor_hash` run by Triton's CPU interpreter (tests/data/make_gpu_hash_cases.py -> gpu_hash_cases.json).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ _SEED2 = ((_SEED * 0x9E3779B1) ^ 0xDEADBEEF) & _MASK32
 _FMIX_C1, _FMIX_C2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 _KEYS = ((0x27D4EB2D, _SEED1, 15), (0x165667B1, _SEED2, 13))  # (position constant, seed, rotation) of p1 and p2
 _TILE_WORDS = 8192
+_BLOCK_WORDS = 256  # the kernel's step inside a tile: it only splits the tile's sum, so nothing here needs it
 _CHUNK_WORDS = 32 * _TILE_WORDS  # 1 MiB of words per step: whole tiles, cache-sized (fastest measured here)
-_OFFSETS: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None
+_OFFSETS: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...]]] = {}  # by chunk size
 
 
 def sglang_gpu_digest(tensor: torch.Tensor) -> str:
@@ -78,12 +80,11 @@ def sglang_gpu_tensor_hash(tensor: torch.Tensor) -> int:
 
 def _chunk_offsets() -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """0 .. _CHUNK_WORDS - 1 and, per key, each offset times its position constant (modulo 2**32); built once."""
-    global _OFFSETS
-    if _OFFSETS is None:
+    if _CHUNK_WORDS not in _OFFSETS:
         offsets = np.arange(_CHUNK_WORDS, dtype=np.uint32)
         with np.errstate(over="ignore"):
-            _OFFSETS = offsets, tuple(offsets * np.uint32(position) for position, _, _ in _KEYS)
-    return _OFFSETS
+            _OFFSETS[_CHUNK_WORDS] = offsets, tuple(offsets * np.uint32(position) for position, _, _ in _KEYS)
+    return _OFFSETS[_CHUNK_WORDS]
 
 
 def _words(tensor: torch.Tensor) -> np.ndarray:
