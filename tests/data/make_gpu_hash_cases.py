@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -42,6 +41,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared case recipe
+from gpu_hash_recipe import case_tensor  # noqa: E402
 
 KERNEL_FILE = "sglang/kernels/ops/memory/gpu_tensor_hash.py"
 OUT = Path(__file__).with_name("gpu_hash_cases.json")
@@ -79,31 +81,6 @@ CASES: list[tuple[str, str, list[int], dict[str, Any], str | None]] = [
     ("fp32-every-other-column", "float32", [64, 96], {"seed": 23}, "cols"),
     ("uint8-odd-address", "uint8", [4 * BLOCK + 7], {"seed": 24}, "offset1"),
 ]
-
-
-def case_tensor(dtype: str, shape: list[int], recipe: dict[str, Any], view: str | None = None) -> torch.Tensor:
-    """The case's tensor (tests/unit/test_gpu_hash.py has the same function)."""
-    dt = getattr(torch, dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-    if view == "offset1":
-        nbytes += 1
-    if "hex" in recipe:
-        data = torch.tensor(list(bytes.fromhex(recipe["hex"])), dtype=torch.uint8)
-    elif recipe.get("zeros"):
-        data = torch.zeros(nbytes, dtype=torch.uint8)
-    else:
-        generator = torch.Generator().manual_seed(recipe["seed"])
-        data = torch.randint(0, 256, (nbytes,), generator=generator, dtype=torch.uint8)
-    assert data.numel() == nbytes, (dtype, shape, recipe)
-    if view == "offset1":
-        return data[1:]
-    tensor = data.view(dt).reshape(shape)
-    if view == "t":
-        return tensor.t()
-    if view == "cols":
-        return tensor[:, 1::2]
-    assert view is None, view
-    return tensor
 
 
 class _ClaimsCuda(torch.Tensor):

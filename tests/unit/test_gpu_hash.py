@@ -5,12 +5,12 @@ checker sees, 0-5 bytes, the word, block, tile and reduce-chunk boundaries, and 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gpu_hash_recipe import case_tensor
 
 from miles_sync.weights import gpu_hash
 from miles_sync.weights.checksum import TensorHash, sglang_digest
@@ -20,31 +20,6 @@ CASES: list[dict[str, Any]] = json.loads((Path(__file__).parents[1] / "data" / "
     "cases"
 ]
 SMALL = [case for case in CASES if case["nbytes"] <= 1 << 17]
-
-
-def case_tensor(dtype: str, shape: list[int], recipe: dict[str, Any], view: str | None = None) -> torch.Tensor:
-    """As make_gpu_hash_cases.case_tensor: seeded random (or given, or zero) bytes viewed as `dtype`, then `view`."""
-    dt = getattr(torch, dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-    if view == "offset1":
-        nbytes += 1
-    if "hex" in recipe:
-        data = torch.tensor(list(bytes.fromhex(recipe["hex"])), dtype=torch.uint8)
-    elif recipe.get("zeros"):
-        data = torch.zeros(nbytes, dtype=torch.uint8)
-    else:
-        generator = torch.Generator().manual_seed(recipe["seed"])
-        data = torch.randint(0, 256, (nbytes,), generator=generator, dtype=torch.uint8)
-    assert data.numel() == nbytes
-    if view == "offset1":
-        return data[1:]
-    tensor = data.view(dt).reshape(shape)
-    if view == "t":
-        return tensor.t()
-    if view == "cols":
-        return tensor[:, 1::2]
-    assert view is None, view
-    return tensor
 
 
 def tensor_of(case: dict[str, Any]) -> torch.Tensor:
