@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -46,6 +47,8 @@ from miles_sync.wire.protocol import Selector
 from miles_sync.wire.text import raise_if
 
 __all__ = ["SenderSettings"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,29 +220,17 @@ class Sender(WeightSource):
             digester = EngineDigester(engine_digests, names=self._names(), selector=selector)
         digest_s = 0.0
 
-        def pack_all() -> list[PackedBucket]:
+        def pack_all(packed: Iterator[PackedBucket]) -> list[PackedBucket]:
             nonlocal digest_s
-            if not self.is_source:
-                stream.drain()  # the export's collectives still pair up with the source's
-                return []
-            try:
-                buckets = list(iter(stream.next_bucket, None))
-            except Exception:
-                with contextlib.suppress(Exception):  # the original failure is the one to report
-                    stream.drain()  # as in send: the other ranks' collectives must still pair up
-                raise
+            buckets = list(packed)
             if digester is not None:  # in send order, as a send's hasher thread would feed it
                 begin = time.perf_counter()
-                for packed in buckets:
-                    digester.add(bucket_tensors(packed.bucket))
+                for bucket in buckets:
+                    digester.add(bucket_tensors(bucket.bucket))
                 digest_s = time.perf_counter() - begin
             return buckets
 
-        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-stage")
-        try:
-            buckets = await asyncio.get_running_loop().run_in_executor(worker, pack_all)
-        finally:
-            worker.shutdown(wait=False)
+        buckets = await self._consume(stream, pack_all, empty=[], thread="miles-sync-stage")
         digests = None
         if digester is not None:  # it exists only with a selector and a plan
             digests = PredictedDigests(selector=selector, plan=engine_digests, checksums=digester.finish())
@@ -270,33 +261,45 @@ class Sender(WeightSource):
         if self.is_source and engine_digests:
             digester = EngineDigester(engine_digests, names=self._names(), selector=selector)
 
-        def hash_all() -> dict[str, str]:
-            if not self.is_source:
-                stream.drain()  # the export's collectives still pair up with the source's
-                return {}
+        def hash_all(packed: Iterator[PackedBucket]) -> dict[str, str]:
             checksums: dict[str, str] = {}
-            try:
-                for packed in iter(stream.next_bucket, None):
-                    checksums.update(bucket_checksums(packed.bucket))
-                    if digester is not None:
-                        digester.add(bucket_tensors(packed.bucket))
-            except Exception:
-                with contextlib.suppress(Exception):  # the original failure is the one to report
-                    stream.drain()
-                raise
+            for bucket in packed:  # each one freed before the next is packed
+                checksums.update(bucket_checksums(bucket.bucket))
+                if digester is not None:
+                    digester.add(bucket_tensors(bucket.bucket))
+            trim_heap()
             return checksums
 
-        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-predict")
-        try:
-            checksums = await asyncio.get_running_loop().run_in_executor(worker, hash_all)
-        finally:
-            worker.submit(trim_heap)
-            worker.shutdown(wait=False)
+        checksums = await self._consume(stream, hash_all, empty={}, thread="miles-sync-predict")
         return WeightDigests(
             checksums=checksums,
             engine_checksums=_engine_checksums(None, digester),
             predict_s=time.perf_counter() - start,
         )
+
+    async def _consume(
+        self, stream: PackStream, consume: Callable[[Iterator[PackedBucket]], T], *, empty: T, thread: str
+    ) -> T:
+        """`consume` the stream's buckets on a worker thread of its own, on the source rank; any other rank drains
+        the stream instead (the export's collectives still pair up with the source's) and returns `empty`. After a
+        failure the rest is drained too (as in send: the other ranks' collectives must still pair up)."""
+
+        def run() -> T:
+            if not self.is_source:
+                stream.drain()
+                return empty
+            try:
+                return consume(iter(stream.next_bucket, None))
+            except Exception:
+                with contextlib.suppress(Exception):  # the original failure is the one to report
+                    stream.drain()
+                raise
+
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(worker, run)
+        finally:
+            worker.shutdown(wait=False)
 
     async def send(
         self,
