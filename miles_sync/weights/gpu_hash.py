@@ -73,7 +73,9 @@ def sglang_gpu_tensor_hash(tensor: torch.Tensor) -> int:
                 np.bitwise_xor(k, tmp, out=k)  # the position key: (i * position + seed) ^ rotl(i, rotation)
                 np.bitwise_xor(k, chunk, out=k)
                 _fmix32_inplace(k, tmp)
-                sums.append(_fmix32(_tile_sums(k) ^ num_bytes).astype(np.uint64))
+                tile = _tile_sums(k) ^ num_bytes
+                _fmix32_inplace(tile, tmp[: tile.size])
+                sums.append(tile.astype(np.uint64))
             total += int(((sums[0] << np.uint64(32)) | sums[1]).sum(dtype=np.uint64))  # modulo 2**64, as the kernel's
     return _splitmix64(total & _MASK64)
 
@@ -96,16 +98,8 @@ def _words(tensor: torch.Tensor) -> np.ndarray:
     return data.view("<u4")
 
 
-def _fmix32(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> np.uint32(16))
-    x = x * _FMIX_C1
-    x = x ^ (x >> np.uint32(13))
-    x = x * _FMIX_C2
-    return x ^ (x >> np.uint32(16))
-
-
 def _fmix32_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
-    """`_fmix32` into `x`, with `tmp` (same size) as scratch."""
+    """murmur3's fmix32 of every element of `x`, in place, with `tmp` (same size) as scratch."""
     for shift, factor in ((16, _FMIX_C1), (13, _FMIX_C2)):
         np.right_shift(x, np.uint32(shift), out=tmp)
         np.bitwise_xor(x, tmp, out=x)
