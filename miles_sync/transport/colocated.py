@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -66,12 +66,20 @@ def _metadata(entries: Sequence[BucketEntry]) -> list[FlattenedTensorMetadata]:
 
 @dataclass(frozen=True, kw_only=True)
 class BucketAnnouncement:
-    """Source -> members: the next bucket's layout; its bytes follow in one broadcast."""
+    """Source -> members: the next bucket, described by the delivery (`contents`: what every member needs to know
+    to receive its bytes and encode its payloads)."""
 
     index: int
+    selector: Selector
+    contents: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlattenedContents:
+    """A flattened bucket's layout; its bytes follow in one broadcast."""
+
     num_bytes: int
     entries: tuple[BucketEntry, ...]
-    selector: Selector
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,18 +131,31 @@ class PostedPayload:
 # ---- the group: gloo, or nothing when the source is the only member ----------------------------------------------
 
 
-class _Collectives(Protocol):
+class Collectives(Protocol):
+    """The fan-out group as a delivery uses it: `member` is this rank's index in the group, `root` the source's;
+    `send_buffers`/`recv_buffers` move buffers point to point (by member index), in order."""
+
+    member: int
+    root: int
+
     def broadcast_object(self, obj: Any) -> Any: ...
 
     def broadcast_buffer(self, buffer: torch.Tensor) -> None: ...
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
+    def send_buffers(self, buffers: Sequence[torch.Tensor], *, to: int) -> None: ...
+
+    def recv_buffers(self, buffers: Sequence[torch.Tensor], *, source: int) -> None: ...
+
     def destroy(self) -> None: ...
 
 
 class _Solo:
     """The source alone: every collective is the identity."""
+
+    member = 0
+    root = 0
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
@@ -144,6 +165,12 @@ class _Solo:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def send_buffers(self, buffers: Sequence[torch.Tensor], *, to: int) -> None:
+        raise AssertionError("the source alone sends to nobody")
+
+    def recv_buffers(self, buffers: Sequence[torch.Tensor], *, source: int) -> None:
+        raise AssertionError("the source alone receives from nobody")
 
     def destroy(self) -> None:
         return None
@@ -157,8 +184,8 @@ class _GlooGroup:
 
     def __init__(self, group: Any, *, rank: int, root: int, size: int, timeout_s: float) -> None:
         self._group = group
-        self._rank = rank
-        self._root = root
+        self._rank = self.member = rank
+        self._root = self.root = root
         self._size = size
         self._timeout = timedelta(seconds=timeout_s)
 
@@ -188,6 +215,16 @@ class _GlooGroup:
         gathered = self._all_gather(padded)
         return [pickle.loads(g[: int(s)].numpy().tobytes()) for g, s in zip(gathered, sizes)]
 
+    def send_buffers(self, buffers: Sequence[torch.Tensor], *, to: int) -> None:
+        works = [self._group.send([b], to, tag) for tag, b in enumerate(buffers)]
+        for work in works:
+            self._wait(work)
+
+    def recv_buffers(self, buffers: Sequence[torch.Tensor], *, source: int) -> None:
+        works = [self._group.recv([b], source, tag) for tag, b in enumerate(buffers)]
+        for work in works:
+            self._wait(work)
+
     def destroy(self) -> None:
         with contextlib.suppress(Exception):  # a group broken by a peer may refuse a clean shutdown
             self._group.shutdown()
@@ -214,7 +251,7 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 _FAN_OUT_GENERATIONS = itertools.count()
 
 
-def _open_gloo(members: Sequence[int], *, source_rank: int, timeout_s: float) -> _Collectives | None:
+def _open_gloo(members: Sequence[int], *, source_rank: int, timeout_s: float) -> Collectives | None:
     """Collective over the trainer ranks (every rank calls it, members or not): None off the group."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
@@ -247,9 +284,10 @@ def find_source_rank(*, is_source: bool) -> int:
 # ---- one rank's side of the fan-out -------------------------------------------------------------------------------
 
 
-class _ReceiveBuffer:
-    """A feeder's own copy of the current bucket: grows to the largest bucket, then reused (one bucket in flight).
-    On CPU it lives in a shared-memory segment, so its handle maps this rank's memory, with no copy at encoding."""
+class ReceiveBuffer:
+    """A member's own copy of what it receives of the current bucket: grows to the largest bucket, then reused (one
+    bucket in flight). On CPU it lives in a shared-memory segment, so a handle maps this rank's memory, with no copy
+    at encoding."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
@@ -265,6 +303,63 @@ class _ReceiveBuffer:
         return self._buffer[:num_bytes]
 
 
+class Delivery(Protocol):
+    """How one bucket's bytes reach the members of a fan-out and become each engine rank's payload; the FanOut
+    runs the steps in order on every member, on its collectives thread.
+
+    - `prepare` (source only): what every member is told about the bucket (`BucketAnnouncement.contents`) and the
+      source's own local data;
+    - `receive` (every member, with the source's local data on the source, None elsewhere): move the bytes over
+      `collectives`; returns this member's local data, which stays valid until the bucket's posts answered;
+    - `encode`: one payload per engine rank in `feeds` ((engine index, TP rank) pairs), in that order, or None
+      for an engine rank that has nothing in this bucket;
+    - `end_send` (source only): called once after the last bucket of a send succeeded; a problem found then (the
+      send left something undelivered) is returned, None otherwise. `reset` forgets a send's state.
+    `load_format` is what the posted requests carry."""
+
+    load_format: LoadFormat
+
+    def prepare(self, bucket: FlattenedBucket) -> tuple[Any, Any]: ...
+
+    def receive(self, contents: Any, local: Any | None, collectives: Collectives) -> Any: ...
+
+    def encode(self, contents: Any, local: Any, *, feeds: Sequence[tuple[int, int]]) -> list[str | None]: ...
+
+    def end_send(self) -> str | None: ...
+
+    def reset(self) -> None: ...
+
+
+class FlattenedDelivery:
+    """The colocated transport's delivery: the source broadcasts the whole flattened bucket, every feeder keeps a
+    copy and hands each engine rank it feeds one flattened-bucket handle to it (each rank slices its share)."""
+
+    load_format = LoadFormat.FLATTENED_BUCKET
+
+    def __init__(self, device: torch.device) -> None:
+        self._buffer = ReceiveBuffer(device)
+
+    def prepare(self, bucket: FlattenedBucket) -> tuple[FlattenedContents, torch.Tensor]:
+        return FlattenedContents(num_bytes=bucket.num_bytes, entries=tuple(bucket.entries)), bucket.buffer
+
+    def receive(self, contents: FlattenedContents, local: torch.Tensor | None, collectives: Collectives) -> Any:
+        buffer = self._buffer.take(contents.num_bytes) if local is None else local
+        collectives.broadcast_buffer(buffer)
+        return buffer
+
+    def encode(
+        self, contents: FlattenedContents, local: torch.Tensor, *, feeds: Sequence[tuple[int, int]]
+    ) -> list[str | None]:
+        metadata = _metadata(contents.entries)
+        return [encode_flattened_bucket(buffer=local, metadata=metadata) for _ in feeds]
+
+    def end_send(self) -> str | None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+
 @dataclass
 class _SendState:
     num_buckets: int = 0
@@ -272,18 +367,18 @@ class _SendState:
 
 
 class FanOut:
-    """One trainer rank's side of the colocated fan-out (module docstring). The source calls `lead` per bucket and
-    `end` once per send; every other member calls `follow` once per send. Collectives run, in order, on one thread
-    of their own; HTTP posts on the caller's event loop. `engines[j]` is engine j's target on the rank that posts
-    its request (None elsewhere)."""
+    """One trainer rank's side of a fan-out (module docstring) with a `delivery` deciding how each bucket's bytes
+    travel. The source calls `lead` per bucket and `end` once per send; every other member calls `follow` once per
+    send. Collectives run, in order, on one thread of their own; HTTP posts on the caller's event loop.
+    `engines[j]` is engine j's target on the rank that posts its request (None elsewhere)."""
 
     def __init__(
         self,
         *,
         role: FeedRole,
-        collectives: _Collectives,
+        collectives: Collectives,
         engines: Sequence[EngineTarget | None],
-        device: torch.device | str = "cpu",
+        delivery: Delivery,
     ) -> None:
         if len(engines) != len(role.plan.engines):
             raise ValueError(f"{len(engines)} engine targets for a feed plan of {len(role.plan.engines)} engines")
@@ -293,7 +388,7 @@ class FanOut:
         self._role = role
         self._collectives = collectives
         self._engines = tuple(engines)
-        self._buffer = _ReceiveBuffer(torch.device(device))
+        self._delivery = delivery
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-fan-out")
         self._pending: asyncio.Future | None = None
         self._state = _SendState()
@@ -314,25 +409,29 @@ class FanOut:
     async def lead(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
         """Source: deliver one bucket through the group. Raises TransportError naming every failure (the whole
         group saw the same ones). The exchange runs to its end even if the caller is cancelled."""
-        announcement = BucketAnnouncement(
-            index=self._state.num_buckets,
-            num_bytes=bucket.num_bytes,
-            entries=tuple(bucket.entries),
-            selector=selector,
-        )
-        self._pending = asyncio.ensure_future(self._exchange(announcement, bucket.buffer, timeout_s=timeout_s))
+        try:
+            contents, local = await self._run(self._delivery.prepare, bucket)
+        except Exception as exc:  # nothing was announced: the members still wait for the next message
+            raise TransportError(f"bucket of {len(bucket.entries)} tensors could not be prepared: {exc}") from exc
+        announcement = BucketAnnouncement(index=self._state.num_buckets, selector=selector, contents=contents)
+        self._pending = asyncio.ensure_future(self._exchange(announcement, local, timeout_s=timeout_s))
         failures = await asyncio.shield(self._pending)
         if failures:
             raise TransportError(f"bucket of {len(bucket.entries)} tensors failed: " + "; ".join(failures))
 
     async def end(self, *, error: str | None) -> None:
-        """Source: the send is over; lets every follower return. Waits for a bucket still in exchange first."""
+        """Source: the send is over; lets every follower return. Waits for a bucket still in exchange first. Raises
+        TransportError when the delivery finds the send incomplete (after the followers were released)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             with contextlib.suppress(BaseException):
                 await pending
+        problem = self._delivery.end_send() if error is None else None
+        self._delivery.reset()
         self._finish_send()
-        await self._run(self._collectives.broadcast_object, SendEnd(error=error))
+        await self._run(self._collectives.broadcast_object, SendEnd(error=error or problem))
+        if problem is not None:
+            raise TransportError(problem)
 
     async def follow(self, *, timeout_s: float) -> None:
         """Every other member: take part in each bucket until the source ends the send. Failures of a bucket are
@@ -357,16 +456,14 @@ class FanOut:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def _exchange(
-        self, announcement: BucketAnnouncement, source_buffer: torch.Tensor | None, *, timeout_s: float
-    ) -> list[str]:
+    async def _exchange(self, announcement: BucketAnnouncement, local: Any | None, *, timeout_s: float) -> list[str]:
         """One bucket on every member: announcement (source only here), bytes, handles, posts, outcomes."""
         self._state.num_buckets += 1
-        if source_buffer is not None:
+        if local is not None:
             await self._run(self._collectives.broadcast_object, announcement)
-        buffer = await self._run(self._receive, announcement, source_buffer)
+        local = await self._run(self._delivery.receive, announcement.contents, local, self._collectives)
         handles: list[RankHandles] = await self._run(
-            self._collectives.all_gather_object, self._encode(announcement, buffer)
+            self._collectives.all_gather_object, self._encode(announcement, local)
         )
         own = await self._post(announcement, handles, timeout_s=timeout_s)
         outcomes: list[RankOutcomes] = await self._run(
@@ -374,20 +471,15 @@ class FanOut:
         )
         return [f for outcome in outcomes for f in outcome.failures]
 
-    def _receive(self, announcement: BucketAnnouncement, source_buffer: torch.Tensor | None) -> torch.Tensor:
-        buffer = self._buffer.take(announcement.num_bytes) if source_buffer is None else source_buffer
-        self._collectives.broadcast_buffer(buffer)
-        return buffer
-
-    def _encode(self, announcement: BucketAnnouncement, buffer: torch.Tensor) -> RankHandles:
+    def _encode(self, announcement: BucketAnnouncement, local: Any) -> RankHandles:
         rank = self._role.rank
+        feeds = self._role.plan.feeds_of(rank)
         try:
-            metadata = _metadata(announcement.entries)
+            encoded = self._delivery.encode(announcement.contents, local, feeds=feeds)
             payloads = tuple(
-                FedPayload(
-                    engine=j, tp_rank=r, feeder=rank, payload=encode_flattened_bucket(buffer=buffer, metadata=metadata)
-                )
-                for j, r in self._role.plan.feeds_of(rank)
+                FedPayload(engine=j, tp_rank=r, feeder=rank, payload=p)
+                for (j, r), p in zip(feeds, encoded)
+                if p is not None
             )
         except Exception as exc:  # reported through the group, so every member fails this bucket together
             return RankHandles(rank=rank, payloads=(), error=f"rank {rank} could not encode its handles: {exc}")
@@ -396,19 +488,25 @@ class FanOut:
     async def _post(
         self, announcement: BucketAnnouncement, handles: Sequence[RankHandles], *, timeout_s: float
     ) -> list[str]:
-        """Post this rank's engines' requests concurrently; returns their failures (and the feeders' errors)."""
+        """Post this rank's engines' requests concurrently; returns their failures (and the feeders' errors). An
+        engine none of whose ranks has a payload in this bucket gets no request."""
         errors = [h.error for h in handles if h.error is not None]
         if errors:
             return errors if self.is_source else []  # one copy of each feeder error is enough
         by_rank = {(p.engine, p.tp_rank): p for h in handles for p in h.payloads}
-        posted = self._role.plan.posted_by(self._role.rank)
-        requests = []
-        for j in posted:
-            payloads = [by_rank[(j, r)] for r in range(len(self._role.plan.engines[j].feeders))]
+        posted, requests = [], []
+        for j in self._role.plan.posted_by(self._role.rank):
+            payloads = [by_rank.get((j, r)) for r in range(len(self._role.plan.engines[j].feeders))]
+            if all(p is None for p in payloads):
+                continue
+            missing = [r for r, p in enumerate(payloads) if p is None]
+            if missing:
+                return [f"engine {j}: no payload for TP ranks {missing} (every rank of a request needs one)"]
+            posted.append(j)
             requests.append(
                 UpdateWeightsFromTensorRequest(
                     serialized_named_tensors=tuple(p.payload for p in payloads),
-                    load_format=LoadFormat.FLATTENED_BUCKET,
+                    load_format=self._delivery.load_format,
                     flush_cache=False,  # the session flushes once before the first bucket
                     selector=announcement.selector,
                 )
@@ -436,17 +534,17 @@ class FanOut:
 
 
 def open_fan_out(
-    *, role: FeedRole, engines: Sequence[EngineTarget | None], timeout_s: float, device: torch.device | str = "cpu"
+    *, role: FeedRole, engines: Sequence[EngineTarget | None], timeout_s: float, delivery: Delivery
 ) -> FanOut | None:
     """Create this rank's side of the fan-out. With more than one member this is a collective over the trainer's
     default group that every trainer rank must enter (`open`, never during a send); returns None on a rank that
     is not a member. Blocking."""
     if len(role.members) == 1:  # the source alone: no group, on any rank (new_group must be called by all or none)
-        return FanOut(role=role, collectives=_Solo(), engines=engines, device=device) if role.is_member else None
+        return FanOut(role=role, collectives=_Solo(), engines=engines, delivery=delivery) if role.is_member else None
     collectives = _open_gloo(role.members, source_rank=role.source_rank, timeout_s=timeout_s)
     if collectives is None:
         return None
-    return FanOut(role=role, collectives=collectives, engines=engines, device=device)
+    return FanOut(role=role, collectives=collectives, engines=engines, delivery=delivery)
 
 
 class ColocatedRank(RankTransport):
@@ -488,9 +586,18 @@ class ColocatedRank(RankTransport):
 
 
 async def open_colocated_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> ColocatedRank:
+    """This rank's side of the colocated transport (`open_fed_rank` with the flattened-bucket delivery)."""
+    return await open_fed_rank(
+        engines=engines, setup=setup, delivery=lambda role: FlattenedDelivery(torch.device(setup.device))
+    )
+
+
+async def open_fed_rank(
+    *, engines: Sequence[EngineEndpoint], setup: RankSetup, delivery: Callable[[FeedRole], Delivery]
+) -> ColocatedRank:
     """This rank's fan-out role (the given one, else the source alone), the clients of the engines whose requests
-    it posts and its FanOut: a collective over the trainer's default group when the plan has several members, so
-    every rank of the plan opens at once."""
+    it posts and its FanOut with `delivery(role)`: a collective over the trainer's default group when the plan has
+    several members, so every rank of the plan opens at once."""
     role = setup.feeds
     if role is not None:
         role.plan.check_engines(engines)
@@ -504,7 +611,7 @@ async def open_colocated_rank(*, engines: Sequence[EngineEndpoint], setup: RankS
     ]
     try:
         fan_out = await asyncio.to_thread(
-            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, device=setup.device
+            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, delivery=delivery(role)
         )
     except BaseException:
         for client in clients.values():

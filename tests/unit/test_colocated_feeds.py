@@ -13,6 +13,7 @@ from miles_sync.job.placement import Resources, plan_colocated_feeds, plan_place
 from miles_sync.transport.colocated import (
     BucketAnnouncement,
     FedPayload,
+    FlattenedContents,
     PostedPayload,
     RankHandles,
     RankOutcomes,
@@ -148,9 +149,10 @@ def test_disaggregated_placement_is_refused_for_the_colocated_transport():
         FeedRole(plan=FeedPlan.single_source(tp_sizes=[1]), rank=0, source_rank=0),
         BucketAnnouncement(
             index=2,
-            num_bytes=8,
             selector=Selector.TARGET,
-            entries=(BucketEntry(name="w", shape=(2,), dtype=torch.float32, start=0, end=8),),
+            contents=FlattenedContents(
+                num_bytes=8, entries=(BucketEntry(name="w", shape=(2,), dtype=torch.float32, start=0, end=8),)
+            ),
         ),
         SendEnd(error="the source failed: boom"),
         RankHandles(rank=1, payloads=(FedPayload(engine=0, tp_rank=1, feeder=1, payload="abc"),)),
