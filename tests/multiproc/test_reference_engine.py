@@ -33,7 +33,6 @@ from miles_sync.wire.protocol import (
     ContinueGenerationRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
-    LoadFormat,
     PauseGenerationRequest,
     PauseMode,
     Role,
@@ -276,7 +275,7 @@ def test_a_failure_after_a_load_serves_the_mixed_weights(make_engine):
     assert len(mixed) == len(plain)
     assert scaled[3][0] in engine.last_failure
     _begin(engine, "target")
-    engine.update_weights_from_tensor(_tensor_update(weights, load_format=LoadFormat.DIRECT))
+    engine.update_weights_from_tensor(_tensor_update(weights))
     engine.end_weight_update(END)
     assert engine.last_failure is None and _checksums(engine) == before
     assert _generate(engine) == plain

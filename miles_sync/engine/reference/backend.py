@@ -6,6 +6,10 @@ payload against full HF metadata, then drives one backend through the same steps
 
 A backend never validates names or selectors (the engine did) and never resumes generation. Every blocking step
 is bounded by the backend's collective timeout.
+
+A `direct` tensor update (SGLang's `_model_load_weights_direct`) takes its own path: each TP rank decodes ITS OWN
+payload of (engine parameter name, local tensor) pairs and every selected runner checks it against its own
+parameters (`stage_direct`), then writes the bytes as they are (`load_direct`); no finalize ever touches them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ _MAX_TENSOR_BYTES = 2**63 - 1  # torch sizes are int64
 
 class EngineDown(RuntimeError):
     """The engine's TP ranks are gone (one died or stopped answering): it refuses everything but health reads."""
+
+
+class EngineCrashed(EngineDown):
+    """A request SGLang's scheduler dies on (a direct load naming a tensor the runner has no parameter for, or of
+    another shape): SGLang's whole server exits without answering it, so this engine stops serving too."""
 
 
 class AllocationError(Exception):
@@ -76,6 +85,8 @@ class WeightBackend(Protocol):
     def receive(self, group_name: str, entries: Sequence[BucketEntry], *, is_bucket: bool) -> Any: ...
     def decode(self, payloads: Sequence[str], *, load_format: str | None) -> tuple[Any, list[TensorMeta]]: ...
     def load(self, runners: Sequence[Any], staged: Any) -> dict[str, int]: ...
+    def stage_direct(self, runners: Sequence[Any], payloads: Sequence[str]) -> Any: ...
+    def load_direct(self, runners: Sequence[Any], staged: Any) -> dict[str, int]: ...
     def discard(self, staged: Any) -> None: ...
     def check(self, request: WeightsCheckerRequest, *, roles: set[Role]) -> WeightsCheckerResult: ...
     def close(self) -> None: ...
@@ -184,6 +195,18 @@ class LocalBackend:
 
     def load(self, runners: Sequence[StoredRunner], staged: list) -> dict[str, int]:
         return {runner.role.value: len(runner.load(staged)) for runner in runners}
+
+    def stage_direct(self, runners: Sequence[StoredRunner], payloads: Sequence[str]) -> list:
+        """Decode this rank's payload and check it against every selected runner's parameters; raises ValueError
+        for a payload that does not decode and EngineCrashed naming each tensor SGLang's loader would die on."""
+        named, _ = self.decode(payloads, load_format="direct")
+        problems = [f"{runner.role.value} runner: {p}" for runner in runners for p in runner.direct_problems(named)]
+        if problems:
+            raise EngineCrashed("direct load: " + "; ".join(problems))
+        return named
+
+    def load_direct(self, runners: Sequence[StoredRunner], staged: list) -> dict[str, int]:
+        return {runner.role.value: len(runner.load_direct(staged)) for runner in runners}
 
     def discard(self, staged: list) -> None:
         del staged  # nothing held beyond the list

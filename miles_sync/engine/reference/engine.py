@@ -16,6 +16,14 @@ Session rules:
   (a selected runner that received nothing has its already-transformed weights transformed again). Policy `strict`
   finalizes only the names loaded in the session and fails naming every selected runner that loaded nothing.
 
+A `direct` tensor update (load_format "direct") follows SGLang's `_model_load_weights_direct` instead: payload i
+carries TP rank i's own (engine parameter name, local tensor) pairs, every selected runner loads all of them as
+physical bytes (a dtype is cast silently, as `copy_` casts), the runner counts as loaded in the session, and no
+finalize transforms them. A name a selected runner has no parameter for, or a shape that is not its parameter's,
+kills SGLang 0.5.23's whole server (measured at TP=1 and TP=2: KeyError / AssertionError in the scheduler,
+SIGQUIT, the request gets no answer, /health_generate refuses connections). This engine is never kinder: it
+crashes too (`EngineCrashed`; `failure` says why and everything is refused; `serve` exits the process).
+
 Never kinder than SGLang where safety depends on it: after a failed session the engine serves whatever its runners
 hold (old, new or mixed bytes), as SGLang does; `last_failure` only reports it. Generation resumes only on
 /continue_generation, never by itself after a session. An update whose `flush_cache` is true fails AFTER loading
@@ -32,7 +40,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_sync.engine.reference.backend import AllocationError, EngineDown, LocalBackend, WeightBackend
+from miles_sync.engine.reference.backend import (
+    AllocationError,
+    EngineCrashed,
+    EngineDown,
+    LocalBackend,
+    WeightBackend,
+)
 from miles_sync.engine.reference.lora import TENSOR_LORA_PATH
 from miles_sync.engine.reference.runner import dtype_str
 from miles_sync.engine.reference.runner_api import ServedRunner
@@ -86,7 +100,7 @@ class _Session:
     failures: list[str] = field(default_factory=list)
 
     def has_loaded(self) -> bool:
-        return any(runner.loaded_in_session() for runner in self.runners)
+        return any(runner.loaded_in_session() or runner.loaded_direct_in_session() for runner in self.runners)
 
 
 class ReferenceEngine:
@@ -142,6 +156,7 @@ class ReferenceEngine:
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._last_failure: str | None = None
+        self._crash: str | None = None  # why the engine crashed as SGLang's server would; it never serves again
         self._draft_role = draft_role
         self._adapters = adapters
         # TP=1 runners live here; a multi-rank engine passes the backend that drives its rank processes.
@@ -181,8 +196,9 @@ class ReferenceEngine:
 
     @property
     def failure(self) -> str | None:
-        """Why the engine can no longer serve at all (a TP rank died), None while it can."""
-        return self._backend.failure
+        """Why the engine can no longer serve at all (a TP rank died, or a request crashed it as it crashes SGLang),
+        None while it can."""
+        return self._crash if self._crash is not None else self._backend.failure
 
     @property
     def draft_role(self) -> str:
@@ -238,7 +254,10 @@ class ReferenceEngine:
                 self._record_failure(f"finalize failed: {exc}")
                 raise
             finally:
-                loaded = {runner.role.value: len(runner.loaded_in_session()) for runner in session.runners}
+                loaded = {
+                    runner.role.value: len(runner.loaded_in_session() | runner.loaded_direct_in_session())
+                    for runner in session.runners
+                }
                 for runner in session.runners:
                     runner.reset_session()
             if finalized_any:
@@ -270,8 +289,8 @@ class ReferenceEngine:
                 )
             if loaded:
                 runner.finalize(sorted(loaded))
-            elif partial:
-                continue
+            elif partial or runner.loaded_direct_in_session():
+                continue  # a direct load's bytes are physical: SGLang post-processes nothing after one
             else:
                 hint = " (a frozen draft needs selector 'target')" if runner.role is Role.DRAFT else ""
                 problems.append(
@@ -313,11 +332,33 @@ class ReferenceEngine:
     def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> WeightUpdateResult:
         endpoint = "/update_weights_from_tensor"
         with self._update_step(endpoint, request.selector) as session:
-            load_format = None if request.load_format is None else request.load_format.value
-            staged, metas = self._backend.decode(request.serialized_named_tensors, load_format=load_format)
-            problems = self._payload_problems(session, metas)
-            result = self._load(session, staged, problems, endpoint=endpoint, request=request)
+            if request.load_format is LoadFormat.DIRECT:
+                result = self._load_direct(session, endpoint=endpoint, request=request)
+            else:
+                load_format = None if request.load_format is None else request.load_format.value
+                staged, metas = self._backend.decode(request.serialized_named_tensors, load_format=load_format)
+                problems = self._payload_problems(session, metas)
+                result = self._load(session, staged, problems, endpoint=endpoint, request=request)
         return self._flush_after_update(result, endpoint=endpoint, flush_cache=request.flush_cache)
+
+    def _load_direct(
+        self, session: _Session, *, endpoint: str, request: UpdateWeightsFromTensorRequest
+    ) -> WeightUpdateResult:
+        """Payload i into every selected runner of rank i, as SGLang's direct loader (see the module docstring).
+        A payload that does not decode is refused (400) as for every load format; one SGLang dies on crashes the
+        engine: nothing is written (SGLang may have written earlier tensors, but never serves them again)."""
+        try:
+            staged = self._backend.stage_direct(session.runners, request.serialized_named_tensors)
+        except EngineCrashed as exc:
+            self._crash = f"{endpoint} (load_format 'direct') crashed the engine, as it crashes SGLang's: {exc}"
+            logger.critical("%s", self._crash)
+            raise EngineCrashed(self._crash) from None
+        if request.abort_all_requests:
+            self._scheduler.abort_all(f"aborted by {endpoint}(abort_all_requests=true)")
+        num_loaded = self._backend.load_direct(session.runners, staged)
+        if request.weight_version is not None:
+            self._scheduler.set_weight_version(request.weight_version)
+        return WeightUpdateResult(success=True, message=f"loaded parameter(s) direct per role: {num_loaded}")
 
     @contextlib.contextmanager
     def _update_step(self, endpoint: str, selector: Selector) -> Iterator[_Session]:
@@ -563,6 +604,8 @@ class ReferenceEngine:
         if not self._lock.acquire(timeout=self._timeout_s + 5.0):
             raise TimeoutError(f"{what}: another weight operation held the engine for over {self._timeout_s} s")
         try:
+            if self._crash is not None:
+                raise EngineDown(f"{what}: the engine is down: {self._crash}")
             yield
         finally:
             self._lock.release()

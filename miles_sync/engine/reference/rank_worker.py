@@ -7,7 +7,8 @@ blocks either:
   run over the engine-internal gloo group (the default process group of this process), which no other channel
   touches.
 - control: receive a broadcast bucket or decode this rank's colocated payload (staged), load the staged payload,
-  discard it, finalize, reset the session, the weights checker, destroy a group.
+  discard it, finalize, reset the session, the weights checker, destroy a group; stage and load a direct payload
+  (this rank's own engine-named tensors).
 - group: join an update group at rank_offset + tp_rank (blocks for the rendezvous).
 
 A request is a (op, kwargs) tuple; the answer is ("ok", value) or ("error", kind, message) with kind "value"
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_sync.engine.reference.backend import AllocationError, LocalBackend
+from miles_sync.engine.reference.backend import AllocationError, EngineCrashed, LocalBackend
 from miles_sync.engine.reference.lora import AdapterSet, PreparedAdapter, build_adapter_set
 from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.sharded import ShardedRunner, load_sharded_runners
@@ -157,6 +158,22 @@ class _Rank:
         if staged is None:
             raise ValueError("no staged payload to load")
         return {role: self._runners[Role(role)].load(staged) for role in roles}
+
+    def stage_direct(self, *, payload: Any, roles: list[str]) -> str | None:
+        """Decode this rank's direct payload and check it against the `roles` runners; staged when it loads.
+        Returns None, or why SGLang's loader would die on it (the front takes the whole engine down)."""
+        self._staged = None
+        try:
+            self._staged = self._backend.stage_direct([self._runners[Role(r)] for r in roles], [payload])
+        except EngineCrashed as exc:
+            return str(exc)
+        return None
+
+    def load_direct(self, *, roles: list[str]) -> dict[str, list[str]]:
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise ValueError("no staged direct payload to load")
+        return {role: self._runners[Role(role)].load_direct(staged) for role in roles}
 
     def discard(self) -> None:
         self._staged = None

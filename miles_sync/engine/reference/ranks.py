@@ -7,7 +7,8 @@ them as one engine, the way SGLang's tokenizer manager drives its TP schedulers.
   to mark it, and a front whose ranks are gone never serves again.
 - `RankBackend`: the `WeightBackend` the engine's state machine drives: every rank joins an update group at
   rank_offset + tp_rank, receives every broadcast bucket and keeps its slice; a colocated update carries one
-  payload per rank; the checker answers one `RankChecksums` per rank.
+  payload per rank (the same full HF tensors, or for a direct load rank i's own engine-named shards in payload i);
+  the checker answers one `RankChecksums` per rank.
 - `RankRunnerView` / `RankModel`: what the scheduler and proposers see of a runner: full HF metadata, a weights
   lock and epoch kept by the front, and a model whose forward runs on every rank (rank 0's output answers).
 
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from miles_sync.engine.reference.backend import EngineDown, join_rank_problems
+from miles_sync.engine.reference.backend import EngineCrashed, EngineDown, join_rank_problems
 from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.rank_worker import CHANNELS, RankArgs, rank_main
 from miles_sync.engine.reference.runner_api import ServedRunner
@@ -278,6 +279,7 @@ class RankRunnerView(ServedRunner):
         self.weights_lock = weights_lock
         self._epoch = 0
         self._loaded: set[str] = set()
+        self._direct: set[str] = set()  # as each rank's runner records it (HF names)
 
     @property
     def weights_epoch(self) -> int:
@@ -295,6 +297,9 @@ class RankRunnerView(ServedRunner):
     def loaded_in_session(self) -> frozenset[str]:
         return frozenset(self._loaded)
 
+    def loaded_direct_in_session(self) -> frozenset[str]:
+        return frozenset(self._direct)
+
     def partially_loaded(self) -> list[str]:
         """Fused engine parameters only some of whose HF parts were loaded in this session."""
         return sorted(
@@ -305,12 +310,21 @@ class RankRunnerView(ServedRunner):
 
     def mark_loaded(self, names: Sequence[str]) -> None:
         self._loaded.update(names)
+        self._direct.difference_update(names)
+        self._epoch += 1
+
+    def mark_loaded_direct(self, engine_names: Sequence[str]) -> None:
+        """Record a direct load of these engine parameters (every rank wrote its own shard of each)."""
+        parts = {part for name in engine_names for part in self._parts[name]}
+        self._direct.update(parts)
+        self._loaded.difference_update(parts)
         self._epoch += 1
 
     def reset_session(self) -> None:
         with self.weights_lock:
             self._fleet.call("control", "reset_session", role=self.role.value)
             self._loaded.clear()
+            self._direct.clear()
 
     def finalize(self, names: Sequence[str]) -> None:
         self._finalize(list(names))
@@ -407,6 +421,35 @@ class RankBackend:
             loaded = self._fleet.call("control", "load", roles=[r.role.value for r in runners])[0]
             for runner in runners:
                 runner.mark_loaded(loaded[runner.role.value])
+        return {role: len(names) for role, names in loaded.items()}
+
+    def stage_direct(self, runners: Sequence[RankRunnerView], payloads: Sequence[str]) -> str:
+        """Every rank decodes payload i (its own engine-named shards; shapes may differ between ranks) and checks it
+        against its runners. Raises ValueError when a payload does not decode, EngineCrashed naming each rank's
+        tensors SGLang's loader would die on (any rank dying takes SGLang's whole server down)."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(
+                f"serialized_named_tensors has {len(payloads)} payloads; this engine runs TP={self.tp_size} and "
+                f"takes exactly {self.tp_size} (one per TP rank, payload i for rank i)"
+            )
+        per_rank = [dict(payload=p, roles=[runner.role.value for runner in runners]) for p in payloads]
+        try:
+            fatal = self._fleet.call("control", "stage_direct", per_rank=per_rank)
+        except ValueError:
+            self.discard("staged")
+            raise
+        problems = [f"TP rank {r}: {problem}" for r, problem in enumerate(fatal) if problem is not None]
+        if problems:
+            self.discard("staged")
+            raise EngineCrashed("; ".join(problems))
+        return "staged"
+
+    def load_direct(self, runners: Sequence[RankRunnerView], staged: str) -> dict[str, int]:
+        del staged
+        with self._weights_lock:
+            loaded = self._fleet.call("control", "load_direct", roles=[r.role.value for r in runners])[0]
+            for runner in runners:
+                runner.mark_loaded_direct(loaded[runner.role.value])
         return {role: len(names) for role, names in loaded.items()}
 
     def discard(self, staged: str) -> None:

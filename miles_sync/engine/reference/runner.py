@@ -24,15 +24,21 @@ Storage model, mirroring an engine whose kernels read a physical layout:
   dequantization (after undoing the layout, for a shuffled FP8 weight). The compute view of an unshuffled FP8
   weight is rebuilt by the load that writes its codes or scales; of a shuffled one by finalize.
 
+- A direct load (`load_direct`, SGLang's `load_format: "direct"`) names the ENGINE's parameters, as a TP=1
+  SGLang runner has them (`qkv_proj`, `gate_up_proj`, stacked experts): each fused tensor's bytes are the bytes of
+  its HF parts one after another, so they are split back into the HF-named storage. The bytes are physical:
+  written as they are, never finalized.
+
 All writes (load, finalize) happen under `weights_lock`, which the scheduler holds during every forward step.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +54,7 @@ from miles_sync.engine.reference.models import (
     read_safetensors,
 )
 from miles_sync.engine.reference.runner_api import StoredRunner
+from miles_sync.weights.checksum import sglang_fused_tensor, sglang_parameter_names
 from miles_sync.weights.fp8 import (
     FP8_DTYPE,
     SCALE_DTYPE,
@@ -113,7 +120,13 @@ class Runner(StoredRunner):
                 self._stored[scale_name(name)] = torch.ones(scale_shape(p.shape, quantization.block), dtype=SCALE_DTYPE)
             else:
                 self._stored[name] = p.detach().clone() if name in self._shuffled else p.detach()
+        # The engine's parameters a direct load names: {engine name: HF parts}, as the checker's engine names.
+        self._engine_parts = sglang_parameter_names(self._stored)
+        self._engine_metas = {
+            name: _fused_meta(name, [self._stored[p] for p in parts]) for name, parts in self._engine_parts.items()
+        }
         self._loaded: set[str] = set()
+        self._direct: set[str] = set()
         self._epoch = 0
 
     def _stored_dtype(self, name: str) -> torch.dtype:
@@ -184,9 +197,42 @@ class Runner(StoredRunner):
             for name, tensor in owned:
                 self._stored[name].copy_(tensor)
             self._loaded.update(name for name, _ in owned)
+            self._direct.difference_update(name for name, _ in owned)
             self._refresh_fp8({name for name, _ in owned})
             self._epoch += 1
         return [name for name, _ in owned]
+
+    def direct_problems(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+        """What SGLang's direct loader dies on for `named` (engine names, local tensors); empty when it loads."""
+        return direct_load_problems(self._engine_metas, named)
+
+    def load_direct(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+        """SGLang's `_model_load_weights_direct`: copy each (engine name, tensor) into that engine parameter (its HF
+        parts here) as PHYSICAL bytes, cast to the stored dtype as `copy_` casts, then refresh the compute view of
+        the tensors written. Recorded as loaded direct in the session: no finalize transforms them. Returns the
+        engine names in order; ValueError before anything is written when `direct_problems` finds any."""
+        named = list(named)
+        raise_if(self.direct_problems(named), what=f"{self.role} runner cannot load direct")
+        pieces = []
+        for name, tensor in named:
+            meta = self._engine_metas[name]
+            flat = direct_source(tensor, meta).reshape(-1)
+            offset = 0
+            for part in self._engine_parts[name]:
+                stored = self._stored[part]
+                pieces.append((part, flat[offset : offset + stored.numel()].view(stored.shape)))
+                offset += stored.numel()
+        written = {part for part, _ in pieces}
+        with self.weights_lock:  # one critical section: no forward sees new bytes under an old compute view
+            for part, piece in pieces:
+                self._stored[part].copy_(piece)
+            self._refresh_fp8(written)
+            for part in sorted({weight_name(n) or n for n in written} & self._shuffled):
+                self._params[part].data.copy_(self._compute_view(part))
+            self._direct.update(written)
+            self._loaded.difference_update(written)
+            self._epoch += 1
+        return [name for name, _ in named]
 
     def _refresh_fp8(self, names: set[str]) -> None:
         """Rebuild the compute view of the unshuffled FP8 weights whose codes or scales are among `names` (a
@@ -199,9 +245,14 @@ class Runner(StoredRunner):
         """Names loaded since the last `reset_session` (the fresh bytes a strict finalize may transform)."""
         return frozenset(self._loaded)
 
+    def loaded_direct_in_session(self) -> frozenset[str]:
+        """Names a direct load wrote (physical bytes) since the last `reset_session`; no finalize transforms them."""
+        return frozenset(self._direct)
+
     def reset_session(self) -> None:
         with self.weights_lock:
             self._loaded.clear()
+            self._direct.clear()
 
     def partially_loaded(self) -> list[str]:
         """Fused parameters only partly loaded in this session: none, this runner stores every HF tensor apart."""
@@ -253,8 +304,9 @@ class Runner(StoredRunner):
             self.finalize([])  # no transform: only the compute view of the shuffled weights, and a new epoch
 
     def finalize_all(self) -> None:
-        """Finalize every linear weight this runner owns, as SGLang does per runner (and at start-up)."""
-        self.finalize(sorted(self._linear_names))
+        """Finalize every linear weight this runner owns, as SGLang does per runner (and at start-up), but those a
+        direct load wrote in this session: their bytes are physical already."""
+        self.finalize(sorted(self._linear_names - self._direct))
 
     # ---- reading the weights ------------------------------------------------------------------------------------
 
@@ -276,6 +328,38 @@ class Runner(StoredRunner):
     def __repr__(self) -> str:
         kind = "mtp" if self.is_mtp else type(self.model).__name__
         return f"Runner(role={self.role.value}, model={kind}, layout={self.layout.value}, tensors={len(self._stored)})"
+
+
+def _fused_meta(engine_name: str, parts: list[torch.Tensor]) -> TensorMeta:
+    fused = sglang_fused_tensor(engine_name, [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts])
+    return TensorMeta(name=engine_name, shape=tuple(fused.shape), dtype=parts[0].dtype)
+
+
+def direct_load_problems(parameters: Mapping[str, TensorMeta], named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """Why SGLang's `_model_load_weights_direct` would raise on `named` given a runner's `parameters` (engine name
+    -> local meta), in its words: `params_dict[name]` raises KeyError for a name the runner has no parameter for,
+    `default_weight_loader` asserts the shape unless both sides hold one element. The dtype is never a problem:
+    `copy_` casts silently (measured on SGLang 0.5.23: bfloat16 and float64 into float32 parameters load)."""
+    problems = []
+    for name, tensor in named:
+        meta = parameters.get(name)
+        if meta is None:
+            problems.append(f"KeyError: {name!r}")
+        elif tuple(tensor.shape) != meta.shape and not (tensor.numel() == 1 and math.prod(meta.shape) == 1):
+            problems.append(
+                f"AssertionError: {name}: Attempted to load weight ({torch.Size(tensor.shape)}) into parameter "
+                f"({torch.Size(meta.shape)})"
+            )
+    return problems
+
+
+def direct_source(tensor: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """What `default_weight_loader` writes into a parameter of `meta`: a one-element tensor fills a one-element
+    parameter whatever the shapes (SGLang's scalar broadcast), any other tensor as it is; cast to the parameter's
+    dtype as `copy_` casts. Contiguous."""
+    if tensor.numel() == 1 and math.prod(meta.shape) == 1:
+        tensor = tensor.reshape(meta.shape)
+    return tensor.to(meta.dtype).contiguous()
 
 
 def dtype_str(dtype: torch.dtype) -> str:

@@ -10,7 +10,7 @@ and write bytes through `StoredRunner`, which only the two classes that hold wei
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -25,9 +25,11 @@ __all__: list[str] = []  # nothing here is imported from outside miles_sync.engi
 
 class ServedRunner(Protocol):
     """One role's served model as the session and scheduler see it. Names in `owned_names`, `expected`,
-    `loaded_in_session` and `finalize` are full HF names; `partially_loaded` names fused engine parameters only
-    some of whose parts a session loaded. `weights_epoch` grows with every load or finalize (the scheduler's
-    caches key on it); every write happens under `weights_lock`."""
+    `loaded_in_session`, `loaded_direct_in_session` and `finalize` are full HF names; `partially_loaded` names fused
+    engine parameters only some of whose parts a session loaded. `loaded_in_session` holds logical bytes awaiting
+    the finalize; `loaded_direct_in_session` physical bytes a direct load wrote, which no finalize transforms (the
+    last write of a name decides which of the two holds it). `weights_epoch` grows with every load or finalize
+    (the scheduler's caches key on it); every write happens under `weights_lock`."""
 
     role: Role
     model: Any  # what the scheduler runs forwards on (a torch module, or the rank processes' proxy)
@@ -43,6 +45,8 @@ class ServedRunner(Protocol):
 
     def loaded_in_session(self) -> frozenset[str]: ...
 
+    def loaded_direct_in_session(self) -> frozenset[str]: ...
+
     def partially_loaded(self) -> list[str]: ...
 
     def reset_session(self) -> None: ...
@@ -55,7 +59,8 @@ class ServedRunner(Protocol):
 class StoredRunner(ServedRunner, Protocol):
     """A runner that holds the bytes. `holds_shards`: its storage is the engine's own fused, TP-sharded parameters
     (keyed by engine name), not HF tensors. `quantization`: the block-FP8 spec it serves in, None for the
-    checkpoint's dtypes. `stored_tensors` and `overwrite` use the storage's names."""
+    checkpoint's dtypes. `stored_tensors` and `overwrite` use the storage's names; `direct_problems` and `load_direct`
+    the engine's parameter names (SGLang's `model.named_parameters()` on this rank: fused, sharded, local shapes)."""
 
     holds_shards: bool
     quantization: Fp8Block | None
@@ -66,5 +71,9 @@ class StoredRunner(ServedRunner, Protocol):
     def stored_tensors(self) -> Mapping[str, torch.Tensor]: ...
 
     def overwrite(self, named: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def direct_problems(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]: ...
+
+    def load_direct(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]: ...
 
     def shuffled_names(self) -> frozenset[str]: ...

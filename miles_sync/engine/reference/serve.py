@@ -268,7 +268,9 @@ async def _serve(args: argparse.Namespace, engine: ReferenceEngine) -> None:
         weight_block_size=None if block is None else block.block,
         dtype=dtype_name(config_dtype(config)),
     )
-    app = create_app(engine, settings=settings, api_key=args.api_key, admin_api_key=args.admin_api_key)
+    app = create_app(
+        engine, settings=settings, api_key=args.api_key, admin_api_key=args.admin_api_key, on_crash=_exit_on_crash
+    )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -319,6 +321,16 @@ async def _stop_when_orphaned(stop: asyncio.Event, *, parent: int) -> None:
 
 
 _ORPHAN_POLL_S = 1.0
+_CRASH_EXIT_CODE = 70
+
+
+def _exit_on_crash(message: str) -> None:
+    """What SGLang 0.5.23's server does when its scheduler raises (a direct load naming an unknown parameter or a
+    wrong shape, measured): SIGQUIT to the server, which kills its process tree, so the request in flight gets no
+    answer and /health_generate refuses connections. Exit at once; the rank processes exit when their pipes close."""
+    logger.critical("Scheduler hit an exception: %s; exiting without answering, as SGLang's server does", message)
+    logging.shutdown()
+    os._exit(_CRASH_EXIT_CODE)
 
 
 def _is_set(key: str | None) -> str:

@@ -4,6 +4,9 @@ Status codes: weight endpoints answer 200 {success: true, message} or 400 {succe
 body (bad JSON, unknown key, wrong type) is a 400 naming the field; 401 without the key a route needs; 503 when an
 operation is busy past its timeout; 500 for an engine fault (logged, the server keeps serving). /flush_cache
 answers plain text. Generation is never refused for the weights the engine holds, as SGLang never refuses it.
+A request that crashes the engine as it crashes SGLang's server (`EngineCrashed`) goes to `on_crash`, which in
+`serve` exits the process without answering, as SGLang's does; without one it answers 503 and the engine refuses
+everything after.
 
 Blocking engine calls (collectives, rendezvous, pause) run on a thread pool so the event loop keeps serving
 generation and reads meanwhile; the engine serializes weight operations itself.
@@ -34,7 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from miles_sync import __version__
-from miles_sync.engine.reference.backend import EngineDown
+from miles_sync.engine.reference.backend import EngineCrashed, EngineDown
 from miles_sync.engine.reference.engine import ReferenceEngine
 from miles_sync.wire.api import CHECKSUM_NAMES_KEY
 from miles_sync.wire.codec import WireEnum, decode, encode
@@ -165,13 +168,17 @@ def create_app(
     admin_api_key: str | None = None,
     max_body_bytes: int = 256 * 2**20,
     num_threads: int = 8,
+    on_crash: Callable[[str], None] | None = None,
 ) -> web.Application:
-    """The aiohttp application; its thread pool shuts down with the app."""
+    """The aiohttp application; its thread pool shuts down with the app. `on_crash(message)` runs when a request
+    crashed the engine (see the module docstring); None: the request answers 503."""
     for what, key in (("api_key", api_key), ("admin_api_key", admin_api_key)):
         if key is not None and not key:
             raise ValueError(f"{what} must be None or a non-empty string")
     executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="reference-http")
     middlewares = [_auth_middleware(api_key=api_key, admin_api_key=admin_api_key), _error_middleware]
+    if on_crash is not None:
+        middlewares.append(_crash_middleware(on_crash))
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
 
     async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -361,6 +368,18 @@ def _auth_middleware(*, api_key: str | None, admin_api_key: str | None):
         return await handler(request)
 
     return auth
+
+
+def _crash_middleware(on_crash: Callable[[str], None]):
+    @web.middleware
+    async def crash(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except EngineCrashed as exc:
+            on_crash(f"{request.path}: {exc}")
+            raise
+
+    return crash
 
 
 @web.middleware

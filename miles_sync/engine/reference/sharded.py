@@ -6,7 +6,8 @@ models computing with these weights are `parallel_models.py`, the split rules `m
 A load receives FULL HF tensors and copies this rank's slice into its region of the fused parameter (SGLang's
 weight loaders). Compute views follow `runner.Runner`: an unshuffled fused weight's q/k/v parameters are views of
 its rows (a load is live at once); a shuffled one keeps its own compute buffers, decoded with the layout's `undo`
-at each finalize.
+at each finalize. A direct load (`load_direct`) names these engine parameters with this rank's local shapes and
+writes the physical bytes as they are, as SGLang's `_model_load_weights_direct` does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,13 @@ from miles_sync.engine.reference.models import (
     read_safetensors,
 )
 from miles_sync.engine.reference.parallel_models import ShardedCausalLM, ShardedMTPHead
-from miles_sync.engine.reference.runner import DRAFT_KINDS, dtype_str, populate
+from miles_sync.engine.reference.runner import (
+    DRAFT_KINDS,
+    direct_load_problems,
+    direct_source,
+    dtype_str,
+    populate,
+)
 from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.weights.checksum import sglang_parameter_names
 from miles_sync.weights.engine_layout import (
@@ -107,7 +114,11 @@ class ShardedRunner(StoredRunner):
         self._part_of = {part.hf_name: part for parts in self._parts.values() for part in parts}
         self._shuffled = frozenset(shuffled)
         self._linear = frozenset(name for name in self._stored if is_linear_weight(name))
+        self._engine_metas = {
+            name: TensorMeta(name=name, shape=tuple(t.shape), dtype=t.dtype) for name, t in self._stored.items()
+        }
         self._loaded: set[str] = set()
+        self._direct: set[str] = set()  # HF names whose bytes a direct load wrote in this session
         self._epoch = 0
 
     # ---- what this runner owns ------------------------------------------------------------------------------
@@ -164,16 +175,45 @@ class ShardedRunner(StoredRunner):
                 region = self._region(self._part_of[name])
                 copy_shard(region, name, tensor, shape=self.shape, tp_rank=self.tp_rank, tp_size=self.tp_size)
             self._loaded.update(name for name, _ in owned)
+            self._direct.difference_update(name for name, _ in owned)
             self._epoch += 1
         return [name for name, _ in owned]
 
+    def direct_problems(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+        """What SGLang's direct loader dies on for `named` (engine names, this rank's local tensors)."""
+        return direct_load_problems(self._engine_metas, named)
+
+    def load_direct(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+        """SGLang's `_model_load_weights_direct` on this rank: copy each (engine name, local tensor) into that
+        parameter as PHYSICAL bytes (cast as `copy_` casts), then refresh the compute view of the shuffled ones
+        written (an unshuffled parameter's compute view is its storage). Recorded as loaded direct: no finalize
+        transforms them. Returns the engine names in order; ValueError before any write on a `direct_problems`."""
+        named = list(named)
+        raise_if(self.direct_problems(named), what=f"{self.role} runner cannot load direct")
+        sources = [(name, direct_source(tensor, self._engine_metas[name])) for name, tensor in named]
+        parts = {part.hf_name for name, _ in named for part in self._parts[name]}
+        with self.weights_lock:
+            for name, source in sources:
+                self._stored[name].copy_(source)
+            for name in sorted({name for name, _ in named} & self._shuffled):
+                self._refresh_compute_view(name)
+            self._direct.update(parts)
+            self._loaded.difference_update(parts)
+            self._epoch += 1
+        return [name for name, _ in named]
+
     def loaded_in_session(self) -> frozenset[str]:
-        """HF names loaded since the last `reset_session`."""
+        """HF names loaded (logical bytes, to finalize) since the last `reset_session`."""
         return frozenset(self._loaded)
+
+    def loaded_direct_in_session(self) -> frozenset[str]:
+        """HF names whose engine parameters a direct load wrote (physical bytes) since the last `reset_session`."""
+        return frozenset(self._direct)
 
     def reset_session(self) -> None:
         with self.weights_lock:
             self._loaded.clear()
+            self._direct.clear()
 
     def partially_loaded(self) -> list[str]:
         """Sorted engine names of which some, but not all, fused HF parts were loaded this session: finalizing one
@@ -205,14 +245,24 @@ class ShardedRunner(StoredRunner):
                     stored.copy_(self._layout_spec.apply(stored))
             # The kernel's view of the physical bytes: decoded from every shuffled weight, stale or not.
             for name in self._shuffled:
-                logical = self._layout_spec.undo(self._stored[name])
-                for part in self._parts[name]:
-                    part.param.data.copy_(logical if part.is_whole else logical[part.start : part.end])
+                self._refresh_compute_view(name)
             self._epoch += 1
 
+    def _refresh_compute_view(self, name: str) -> None:
+        """Decode the compute parameters of the shuffled engine weight `name` from its physical bytes."""
+        logical = self._layout_spec.undo(self._stored[name])
+        for part in self._parts[name]:
+            part.param.data.copy_(logical if part.is_whole else logical[part.start : part.end])
+
     def finalize_all(self) -> None:
-        """Finalize every linear engine weight, as SGLang does per runner (and at start-up)."""
-        self.finalize(part.hf_name for name in sorted(self._linear) for part in self._parts[name])
+        """Finalize every linear engine weight, as SGLang does per runner (and at start-up), but those a direct
+        load wrote in this session: their bytes are physical already."""
+        self.finalize(
+            part.hf_name
+            for name in sorted(self._linear)
+            for part in self._parts[name]
+            if part.hf_name not in self._direct
+        )
 
     def overwrite(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
         """Copy `named` ((engine name, local tensor) pairs or a mapping) into storage as PHYSICAL bytes (no layout

@@ -1,0 +1,164 @@
+"""Differential: `update_weights_from_tensor` with `load_format: "direct"` sent alike to a real SGLang 0.5.23 CPU
+server and to a reference engine, at TP=1 and TP=2 (one pair at a time, module-scoped, stopped when its TP size is
+done). Each case compares the answers' status and success and every rank's checker digests.
+
+What SGLang 0.5.23 does, measured on this machine (CPU, float32 target checkpoint, selector "target" sessions):
+- payload i is decoded by TP rank i only; `_model_load_weights_direct` copies each (engine name, local tensor) into
+  `dict(model.named_parameters())[name]`: correct names and shapes answer 200 {"success": true, "message":
+  "Success"}, every rank's checker digests equal `rank_engine_digests` of the sent weights, generation goes on.
+  Payloads swapped between the TP=2 ranks load too (each rank stores the other's shards). Tensors that all view
+  one shared storage load like separate ones.
+- a dtype other than the parameter's (bfloat16 or float64 into float32) is cast silently (`copy_`): 200.
+- an unknown name (`KeyError: 'model.layers.0.self_attn.q_proj.weight'`, an HF name: the parameter is qkv_proj) or
+  a wrong shape (`AssertionError: Attempted to load weight (torch.Size([3, 5])) into parameter
+  (torch.Size([128, 384]))`) raises in the scheduler: SIGQUIT, kill_process_tree, at TP=1 and TP=2. The request
+  gets no answer (RemoteDisconnected), the process exits, /health_generate refuses connections. Whether tensors
+  before the bad one were written cannot be observed: nothing serves them again.
+So the crash case runs last for each TP size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from reference_server import checkpoint_tensors, mtp_names, reference_server
+from sglang_server import sglang_server
+
+from miles_sync.weights.engine_layout import TPShape, rank_engine_digests, rank_engine_tensors
+from miles_sync.wire.payload import encode_named_tensors
+
+NORM = "model.norm.weight"
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+DOWN = "model.layers.0.mlp.down_proj.weight"
+CRASH_WAIT_S = 30.0  # SGLang sleeps 5 s for crash diagnostics before it kills its process tree
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def servers(request, reference_checkpoints, sglang_python, tmp_path_factory):
+    """{"sglang": url, "reference": url} plus the processes, for one TP size."""
+    tp_size = request.param
+    target = reference_checkpoints / "target"
+    log_dir = tmp_path_factory.mktemp(f"direct-tp{tp_size}")
+    names = {"checksum_names": "engine"} if tp_size == 1 else {"extra_args": ["--tp-size", str(tp_size)]}
+    with (
+        sglang_server(model=target, python=sglang_python, log_dir=log_dir, tp_size=tp_size) as real,
+        reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names) as ref,
+    ):
+        yield {"tp_size": tp_size, "sglang": real, "reference": ref}
+
+
+@pytest.fixture(scope="module")
+def target_weights(reference_checkpoints) -> dict[str, torch.Tensor]:
+    path = reference_checkpoints / "target"
+    draft = mtp_names(path)
+    return {name: t for name, t in checkpoint_tensors(path).items() if name not in draft}
+
+
+@pytest.fixture(scope="module")
+def shape(reference_checkpoints) -> TPShape:
+    return TPShape.from_config(json.loads((reference_checkpoints / "target" / "config.json").read_text()))
+
+
+def post(url: str, path: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, object]:
+    """(status, parsed body); raises OSError when the server answers nothing."""
+    data = json.dumps({} if body is None else body).encode()
+    request = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+
+
+def digests(url: str) -> list[dict[str, str]]:
+    status, answer = post(url, "/weights_checker", {"action": "checksum", "selector": "target"})
+    assert status == 200, answer
+    return [rank["checksums"] for rank in answer["ranks"]]
+
+
+def direct_update(url: str, payloads: list[str]) -> tuple[int, object] | OSError:
+    """begin (selector target), one direct update, end if it answered; the update's (status, body) or error."""
+    assert post(url, "/begin_weight_update", {"selector": "target"})[0] == 200
+    body = {"serialized_named_tensors": payloads, "load_format": "direct", "flush_cache": False, "selector": "target"}
+    try:
+        answer = post(url, "/update_weights_from_tensor", body, timeout_s=60.0)
+    except OSError as exc:
+        return exc
+    ended = post(url, "/end_weight_update")
+    assert ended[0] == 200, (url, answer, ended)
+    return answer
+
+
+def both(servers, payloads: list[str]) -> dict[str, tuple[int, object] | OSError]:
+    return {kind: direct_update(servers[kind].url, payloads) for kind in ("sglang", "reference")}
+
+
+def perturbed(weights, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: t + 0.05 * torch.randn(t.shape, generator=generator) for name, t in sorted(weights.items())}
+
+
+def rank_tensors(weights, *, shape, tp_size: int) -> list[list[tuple[str, torch.Tensor]]]:
+    return [
+        sorted(rank_engine_tensors(weights, shape=shape, tp_rank=r, tp_size=tp_size).items()) for r in range(tp_size)
+    ]
+
+
+def assert_same_success_and_digests(servers, answers, expected_weights, *, shape) -> None:
+    (status, body), (ref_status, ref_body) = answers["sglang"], answers["reference"]
+    assert (status, body["success"]) == (ref_status, ref_body["success"]) == (200, True), answers
+    expected = list(rank_engine_digests([("target", expected_weights)], shape=shape, tp_size=servers["tp_size"]))
+    real, ref = digests(servers["sglang"].url), digests(servers["reference"].url)
+    assert [{n: r[n] for n in e} for r, e in zip(real, expected)] == expected  # SGLang may answer more names
+    assert ref == expected
+
+
+def test_a_direct_load_of_each_ranks_shards_lands_alike(servers, target_weights, shape):
+    weights = perturbed(target_weights, seed=servers["tp_size"])
+    keep = rank_tensors(weights, shape=shape, tp_size=servers["tp_size"])
+    before = digests(servers["reference"].url)
+    answers = both(servers, [encode_named_tensors(named) for named in keep])
+    assert_same_success_and_digests(servers, answers, weights, shape=shape)
+    assert digests(servers["reference"].url) != before
+    for kind in ("sglang", "reference"):
+        body = {"input_ids": [3, 100, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        status, answer = post(servers[kind].url, "/generate", body)
+        assert status == 200 and len(answer["output_ids"]) == 4, (kind, answer)
+
+
+def test_a_dtype_other_than_the_parameters_is_cast_alike(servers, target_weights, shape):
+    weights = perturbed(target_weights, seed=10 + servers["tp_size"])
+    weights[NORM] = weights[NORM] + 1.0
+    keep = []
+    for named in rank_tensors(weights, shape=shape, tp_size=servers["tp_size"]):
+        keep.append(
+            [(n, t.to(torch.bfloat16) if n == NORM else t.to(torch.float64) if n == QKV else t) for n, t in named]
+        )
+    answers = both(servers, [encode_named_tensors(named) for named in keep])
+    assert_same_success_and_digests(
+        servers, answers, {**weights, NORM: weights[NORM].to(torch.bfloat16).float()}, shape=shape
+    )
+
+
+def test_a_tensor_sglang_dies_on_kills_both_servers(servers, target_weights, shape):
+    """Last for its TP size: TP=1 sends an HF name (no such parameter), TP=2 a wrong shape on rank 1 only."""
+    named = rank_tensors(target_weights, shape=shape, tp_size=servers["tp_size"])
+    if servers["tp_size"] == 1:
+        keep = [[(NORM, target_weights[NORM]), ("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 128))]]
+    else:
+        keep = [named[0], [(n, torch.zeros(3, 5) if n == DOWN else t) for n, t in named[1]]]
+    payloads = [encode_named_tensors(tensors) for tensors in keep]  # `keep` holds the tensors until both answered
+    answers = both(servers, payloads)
+    assert all(isinstance(answer, OSError) for answer in answers.values()), answers  # no answer from either
+    deadline = time.monotonic() + CRASH_WAIT_S
+    while servers["sglang"].is_running or servers["reference"].process.poll() is None:
+        assert time.monotonic() < deadline, "a server kept running after the crash"
+        time.sleep(0.5)
+    for kind in ("sglang", "reference"):
+        with pytest.raises(OSError):
+            urllib.request.urlopen(servers[kind].url + "/health_generate", timeout=5.0)
