@@ -30,6 +30,7 @@ from miles_sync.sync.report import SyncReport
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import PauseMode
 
 __all__ = [
@@ -295,6 +296,7 @@ def tensor_sender(
         ),
         export=lambda: export_units(tensors),
         names=lambda: list(tensors),
+        metas=lambda: [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in tensors.items()],
     )
 
 

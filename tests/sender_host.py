@@ -102,6 +102,7 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
     from miles_sync.sync.sender import Sender
     from miles_sync.sync.sender import SenderSettings as Settings  # this module's SenderSettings is the test's own
     from miles_sync.transport.feeds import Device, FeedRole, plan_feeds
+    from miles_sync.wire.bucket import TensorMeta
 
     checkpoint, num_hidden_layers = load_checkpoint(target_dir)
     state: dict[str, Any] = {"step": 0, "gate_unit": None, "sender": None, "settings": None}
@@ -132,6 +133,10 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
             skip_names=settings.skip_names,
         )
 
+    def metas():
+        tensors = with_extras(checkpoint)
+        return [TensorMeta(name=n, shape=tuple(tensors[n].shape), dtype=tensors[n].dtype) for n in names()]
+
     def feeds(settings: SenderSettings, engines) -> FeedRole | None:
         if not settings.plan_feeds:
             return None
@@ -140,7 +145,7 @@ async def _serve(conn, target_dir: Path, gate_reached, gate_release) -> None:
         return FeedRole(plan=plan, rank=0, source_rank=0)
 
     def make_sender(settings: SenderSettings, *, feeds: FeedRole | None) -> Sender:
-        return Sender(settings=settings.sender_settings(Settings), export=export, names=names, feeds=feeds)
+        return Sender(settings=settings.sender_settings(Settings), export=export, names=names, feeds=feeds, metas=metas)
 
     while True:
         request_id, op, args = await asyncio.to_thread(conn.recv)

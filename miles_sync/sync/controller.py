@@ -41,6 +41,7 @@ from miles_sync.sync.draft_canary import (
 )
 from miles_sync.sync.draft_canary import next_baselines as next_canary_baselines
 from miles_sync.sync.draft_guard import DraftDigests, draft_digests
+from miles_sync.sync.engine_digests import read_direct_layouts
 from miles_sync.sync.fleet_check import FleetCheck, check_fleet
 from miles_sync.sync.lease import LeaseLostError, SyncLease
 from miles_sync.sync.lora import adapter_name, run_lora_sync_session
@@ -520,7 +521,12 @@ class SyncController:
         if self._is_open:
             return None
         start = time.perf_counter()
-        endpoints = [EngineEndpoint(url=u, tp_size=self._tp_sizes[u]) for u in self._urls]
+        try:
+            endpoints = await self._endpoints()
+        except ValueError as exc:
+            return self._failed_before_session(
+                version, error=f"transport set-up failed: {exc}", seconds=time.perf_counter() - start
+            )
         membership = None
         if self._spec.needs_update_group:
             # A fresh name per generation: an engine that missed the last teardown still has the old group.
@@ -549,6 +555,14 @@ class SyncController:
             )
         self._is_open = True
         return None
+
+    async def _endpoints(self) -> list[EngineEndpoint]:
+        """The engines as the transport opens them: with each one's parameter layout where the transport sends the
+        engines' own parameters (ValueError naming each engine whose layout is unknown)."""
+        layouts = {}
+        if self._spec.needs_engine_layouts:
+            layouts = await read_direct_layouts([self._clients[u] for u in self._urls])
+        return [EngineEndpoint(url=u, tp_size=self._tp_sizes[u], direct=layouts.get(u)) for u in self._urls]
 
     async def _close_group(self) -> None:
         self._is_open = False

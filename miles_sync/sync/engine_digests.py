@@ -29,7 +29,6 @@ import collections
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +52,11 @@ from miles_sync.weights.engine_layout import (
     tp_problems,
 )
 from miles_sync.weights.layout import LayoutSpec, WeightLayout, layout_spec
+from miles_sync.weights.shard_plan import DirectLayout, is_target_layer
 from miles_sync.wire.api import EngineAPI, ServerInfo
 from miles_sync.wire.draft import DraftReport
 from miles_sync.wire.protocol import ChecksumNames, Role, Selector, selector_roles
+from miles_sync.wire.text import raise_if
 
 __all__ = ["EngineDigestPlan"]
 
@@ -64,7 +65,6 @@ logger = logging.getLogger(__name__)
 # config.json model types whose TP split `miles_sync.weights.engine_layout` describes (decoders with separate q/k/v
 # and gate/up projections; Qwen3-MoE's experts stacked as FusedMoE's, at TP=1); any other family has no layout model.
 MODELED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _DRAFT_ROLE = Role.DRAFT.value
 _TARGET_ROLE = Role.TARGET.value
 
@@ -98,10 +98,17 @@ class EngineLayout:
         return result
 
     def is_target_name(self, name: str) -> bool:
-        if self.num_target_layers is None:
-            return True
-        match = _LAYER_INDEX.match(name)
-        return match is None or int(match.group(1)) < self.num_target_layers
+        return is_target_layer(name, num_target_layers=self.num_target_layers)
+
+    @property
+    def direct_layout(self) -> DirectLayout:
+        """What decides the engine's target parameters, for a transport that sends them (shard_direct)."""
+        return DirectLayout(
+            shape=self.shape,
+            tp_size=self.tp_size,
+            weight_layout=self.weight_layout,
+            num_target_layers=self.num_target_layers,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,6 +230,28 @@ def served_tensor_hash(info: ServerInfo) -> TensorHash:
     if info.device == "cuda":
         return TensorHash.GPU_HASH
     raise ValueError(f"the server's device {info.device!r} does not say how its checker hashes")
+
+
+async def read_direct_layouts(engines: Sequence[EngineAPI]) -> dict[str, DirectLayout]:
+    """Every engine's target parameter layout (from what it reported at connect and its config.json), for a
+    transport that sends the engines' own parameters. Raises ValueError naming each engine whose layout is not
+    modeled, and why."""
+    paths = sorted({e.info.model_path for e in engines if e.info is not None and e.info.model_path})
+    configs = dict(zip(paths, await asyncio.gather(*(asyncio.to_thread(read_model_config, p) for p in paths))))
+    layouts, problems = {}, []
+    for engine in engines:
+        if engine.info is None:
+            problems.append(f"{engine.url}: its server info was never read")
+            continue
+        config = configs.get(engine.info.model_path) if engine.info.model_path else None
+        try:
+            layout = engine_layout(info=engine.info, config=config, draft=None, selector=Selector.TARGET)
+        except ValueError as exc:
+            problems.append(f"{engine.url}: {exc}")
+        else:
+            layouts[engine.url] = layout.direct_layout
+    raise_if(problems, what="the engines' own parameter layouts are unknown")
+    return layouts
 
 
 async def plan_engine_digests(engines: Sequence[EngineAPI], *, selector: Selector, timeout_s: float) -> FleetLayouts:

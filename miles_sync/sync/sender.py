@@ -43,6 +43,7 @@ from miles_sync.transport.colocated import PostedPayload
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.fp8 import Fp8Block
+from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Selector
 from miles_sync.wire.text import raise_if
 
@@ -80,6 +81,15 @@ class SenderSettings:
             problems.append(f"transport={self.transport!r} is not one of {sorted(TRANSPORTS)}")
         names = ("bucket_bytes", "bucket_timeout_s", "open_timeout_s", "http_timeout_s", "call_timeout_s")
         problems += [f"{name}={getattr(self, name)} must be positive" for name in names if not getattr(self, name) > 0]
+        if (
+            self.quantization is not None
+            and self.transport in TRANSPORTS
+            and TRANSPORTS[self.transport].needs_engine_layouts
+        ):
+            problems.append(
+                f"transport={self.transport!r} sends the engines' own parameters, planned from the exported dtypes: "
+                f"block-FP8 quantization is not supported with it"
+            )
         raise_if(problems, what="invalid SenderSettings")
 
 
@@ -95,7 +105,9 @@ class Sender(WeightSource):
 
     `feeds`: this rank's role in a colocated feed plan (every rank of the plan gets one, the source included).
     Without it a colocated source feeds every engine rank itself (`FeedPlan.single_source`). Opening with a plan of
-    several ranks is a collective over the trainer's default group: every trainer rank must open at once.
+    several ranks is a collective over the trainer's default group: every trainer rank must open at once. `metas`:
+    the export's tensors (names, shapes, dtypes) without exporting, for a transport that plans from them
+    (shard_direct); only the source reads them.
 
     `settings.hash_buckets`: checksum every tensor sent (SHA-256, on a thread of its own while the bucket is on the
     wire). Verification needs them; without them (verify off) a send costs one pass less over the bytes, no sync
@@ -114,6 +126,7 @@ class Sender(WeightSource):
         names: Callable[[], Iterable[str]],
         is_source: bool = True,
         feeds: FeedRole | None = None,
+        metas: Callable[[], Iterable[TensorMeta]] | None = None,
     ) -> None:
         if feeds is not None and (feeds.rank == feeds.source_rank) != is_source:
             raise ValueError(
@@ -128,6 +141,7 @@ class Sender(WeightSource):
         self._staged: StagedStream | None = None
         self._buffers: DoubleBuffer | None = None
         self._feeds = feeds
+        self._metas = metas
 
     @property
     def is_source(self) -> bool:
@@ -149,6 +163,7 @@ class Sender(WeightSource):
             device=str(self._device),
             # A member may wait in one collective for a poster's whole HTTP call and the transfer.
             fan_out_timeout_s=2 * self._settings.bucket_timeout_s,
+            metas=tuple(self._metas()) if self._metas is not None and self.is_source else (),
         )
         rank = await open_rank_transport(self._settings.transport, engines=engines, setup=setup)
         try:

@@ -70,9 +70,18 @@ from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
 from miles_sync.sync.verify import DRAFT_GUARD, Verdict, sent_verdicts, weights_digest
 from miles_sync.sync.weight_source import SendResult, WeightSource
+from miles_sync.transport.base import transport_spec
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
-from miles_sync.wire.protocol import ChecksumNames, PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
+from miles_sync.wire.protocol import (
+    ChecksumNames,
+    PauseMode,
+    Role,
+    Selector,
+    WeightsCheckerAction,
+    WeightsCheckerRequest,
+    selector_roles,
+)
 from miles_sync.wire.text import raise_if
 
 __all__ = ["SelectorInputs", "SessionTimeouts"]
@@ -140,6 +149,7 @@ async def run_sync_session(
             on_bucket=on_bucket,
             quantization=quantization,
             draft_baselines=draft_baselines,
+            loads_target_only=transport_spec(transport_name).needs_engine_layouts,
         )
 
     await run_in_frame(
@@ -182,10 +192,13 @@ async def _sync(
     on_bucket: Callable[[BucketProgress], None] | None,
     quantization: Fp8Block | None = None,
     draft_baselines: Mapping[str, DraftDigests] | None = None,
+    loads_target_only: bool = False,
 ) -> None:
     draft_baselines = {} if draft_baselines is None else draft_baselines
     exported = await source.exported_names()  # once per session: a remote source asks every trainer rank
     run.selector = selector = await choose_selector(fleet.engines, exported_names=exported, inputs=inputs)
+    if loads_target_only:
+        await check_target_only(fleet.engines, selector=selector)
     await check_quantization(fleet.engines, exported_names=exported, quantization=quantization)
     t = fleet.timeout_s
     # Which engines' answers the source can predict (engine-exact), decided before the pause.
@@ -244,6 +257,23 @@ async def choose_selector(
         shown = ", ".join(f"{url}: {s.value}" for url, s in choices.items())
         raise ValueError(f"engines need different selectors ({shown}); one session carries one selector")
     return next(iter(choices.values()))
+
+
+async def check_target_only(engines: Sequence[EngineAPI], *, selector: Selector) -> None:
+    """Raise ValueError, before anything is sent, when `selector` covers an engine's draft runner and the transport
+    sends the target's own parameters (shard_direct): a direct load goes to every selected runner, and a draft runner
+    has none of those names (SGLang fails the load). A trained draft needs the colocated or distributed transport."""
+    if Role.DRAFT not in selector_roles(selector):
+        return
+    reports = await asyncio.gather(*(e.draft_report() for e in engines))
+    drafted = [e.url for e, r in zip(engines, reports) if r is not None and r.has_runner]
+    raise_if(
+        [f"{url}: selector {selector.value!r} covers its draft runner" for url in drafted],
+        what=(
+            "the shard_direct transport loads the target's own parameters into every selected runner; a session "
+            "that updates a draft needs transport colocated or distributed"
+        ),
+    )
 
 
 async def check_quantization(

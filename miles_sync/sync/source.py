@@ -138,7 +138,8 @@ class ModelSource:
             model, hf_config=hf_config, conversion=conversion, timeout_s=collective_timeout_s
         )
         self._is_source = is_export_source()
-        self._names = tuple(t.name for unit in metadata for t in unit.tensors)
+        self._metas = tuple(t for unit in metadata for t in unit.tensors)
+        self._names = tuple(t.name for t in self._metas)
         rank = dist.get_rank()
         self._info = RankInfo(
             rank=rank,
@@ -187,7 +188,12 @@ class ModelSource:
             source_rank = find_source_rank(is_source=self._is_source)
             role = FeedRole(plan=self._feeds, rank=self._info.rank, source_rank=source_rank)
         sender = Sender(
-            settings=settings, export=self._export, names=self.exported_names, is_source=self._is_source, feeds=role
+            settings=settings,
+            export=self._export,
+            names=self.exported_names,
+            is_source=self._is_source,
+            feeds=role,
+            metas=lambda: self._metas,
         )
         bound = self._loop.run(
             sender.open(engines=engines, membership=membership),

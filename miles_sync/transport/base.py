@@ -4,7 +4,9 @@ Two implementations, chosen once by name (`create_transport`), never branched on
 - `distributed`: one broadcast per bucket over the update group (gloo on CPU, NCCL on GPU), announced to every
   engine by an `update_weights_from_distributed` POST;
 - `colocated`: one `update_weights_from_tensor` POST per engine carrying a handle per engine TP rank (CPU shared
-  memory here, CUDA IPC on GPU).
+  memory here, CUDA IPC on GPU) to the whole bucket;
+- `shard_direct`: the same fan-out, but each engine TP rank's handle maps only its own parameters, as the engine
+  stores them (`load_format: "direct"`; miles_sync.transport.shard_direct).
 
 Here: the seam (`Transport`), the engines it reaches (`EngineEndpoint`, `EngineTarget`) and the registry
 (`TRANSPORTS`: one `TransportSpec` row per transport, its declared needs). The update group's membership is planned
@@ -21,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.api import EngineAPI
-from miles_sync.wire.bucket import FlattenedBucket
+from miles_sync.wire.bucket import FlattenedBucket, TensorMeta
 from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.protocol import Selector
 
@@ -83,6 +85,7 @@ class RankSetup:
     feeds: FeedRole | None = None
     device: str = "cpu"
     fan_out_timeout_s: float = 120.0  # a member may wait in one collective for a poster's whole HTTP call
+    metas: tuple[TensorMeta, ...] = ()  # the export's tensors, for a transport that plans from them
 
 
 @runtime_checkable
@@ -107,10 +110,12 @@ class RankTransport(Protocol):
 
 
 class TransportKind(WireEnum):
-    """distributed: broadcast over a torch.distributed group; colocated: per-TP-rank tensor handles."""
+    """distributed: broadcast over a torch.distributed group; colocated: per-TP-rank tensor handles to each bucket;
+    shard_direct: per-TP-rank handles to that rank's own engine parameters."""
 
     DISTRIBUTED = "distributed"
     COLOCATED = "colocated"
+    SHARD_DIRECT = "shard_direct"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +134,10 @@ class TransportSpec:
     # Engine ranks map memory of the trainer rank on their own device: every rank of a FeedPlan takes part in
     # each bucket (see miles_sync.transport.colocated), not only the export source.
     feeds_from_every_rank: bool = False
+    # Payloads are the engines' own parameters: the controller gives each endpoint its layout, the source plans from
+    # the export's tensor metas, and a session whose selector covers a draft runner is refused (a direct load goes
+    # to every selected runner, and a draft has none of the target's names).
+    needs_engine_layouts: bool = False
 
 
 TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: plain names look up too)
@@ -145,6 +154,14 @@ TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: 
         endpoints=("/update_weights_from_tensor",),
         shares_cpu_memory=True,
         feeds_from_every_rank=True,
+    ),
+    TransportKind.SHARD_DIRECT: TransportSpec(
+        module="miles_sync.transport.shard_direct",
+        rank_factory="open_shard_direct_rank",
+        needs_update_group=False,
+        endpoints=("/update_weights_from_tensor",),
+        feeds_from_every_rank=True,
+        needs_engine_layouts=True,
     ),
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from miles_sync.weights.shard_plan import DirectLayout
 from miles_sync.wire.protocol import InitWeightsUpdateGroupRequest
 from miles_sync.wire.text import raise_if
 
@@ -16,10 +17,12 @@ __all__ = ["EngineEndpoint", "GroupMembership", "plan_membership"]
 
 @dataclass(frozen=True, kw_only=True)
 class EngineEndpoint:
-    """An engine as the controller tells the source about it: where it listens and how many TP ranks it runs."""
+    """An engine as the controller tells the source about it: where it listens, how many TP ranks it runs and, for
+    a transport that sends the engine's own parameters (`TransportSpec.needs_engine_layouts`), their layout."""
 
     url: str
     tp_size: int
+    direct: DirectLayout | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,7 @@ from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.text import raise_if
 
-__all__ = ["DirectLayout", "DirectPlan", "build_param", "is_target_layer", "plan_direct"]
+__all__ = ["DirectLayout", "DirectPlan", "build_param", "is_target_layer", "param_offsets", "plan_direct"]
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT_PART = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")

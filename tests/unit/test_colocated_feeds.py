@@ -21,6 +21,10 @@ from miles_sync.transport.colocated import (
 )
 from miles_sync.transport.feeds import Device, EngineFeed, FeedPlan, FeedRole, plan_feeds
 from miles_sync.transport.membership import EngineEndpoint
+from miles_sync.transport.shard_direct import DirectContents, DirectEntry, RankContents
+from miles_sync.weights.engine_layout import TPShape
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.weights.shard_plan import DirectLayout
 from miles_sync.wire.bucket import BucketEntry
 from miles_sync.wire.protocol import Selector
 
@@ -159,6 +163,33 @@ def test_disaggregated_placement_is_refused_for_the_colocated_transport():
         RankHandles(rank=2, payloads=(), error="rank 2 could not encode its handles"),
         RankOutcomes(rank=0, failures=("http://a: refused",)),
         PostedPayload(engine=0, url="http://a", tp_rank=0, feeder=0, segment_pid=None),
+        EngineEndpoint(
+            url="http://a",
+            tp_size=2,
+            direct=DirectLayout(
+                shape=TPShape(
+                    hidden_size=64,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    intermediate_size=128,
+                    vocab_size=100,
+                ),
+                tp_size=2,
+                weight_layout=WeightLayout.AITER,
+                num_target_layers=2,
+            ),
+        ),
+        DirectContents(
+            ranks=(
+                RankContents(
+                    layout=0,
+                    tp_rank=1,
+                    num_bytes=64 + 8,
+                    entries=(DirectEntry(name="w", shape=(2,), dtype=torch.float32, offset=64),),
+                ),
+            )
+        ),
     ],
 )
 def test_records_round_trip(record):
