@@ -146,7 +146,7 @@ async def model_version(url: str) -> str:
         return (await client.model_info()).weight_version
 
 
-@pytest.mark.parametrize("transport", ["distributed", "colocated"])
+@pytest.mark.parametrize("transport", ["distributed", "colocated", "shard_direct"])
 def test_syncs_into_real_servers_are_verified_engine_exact(servers, source, checkpoint, transport):
     urls = [proxy.url for _, proxy in servers]
     tensors, num_layers = checkpoint

@@ -1,6 +1,7 @@
 """One real SGLang 0.5.23 CPU server with TP=2 (one core per rank): a sync is verified engine-exact per TP rank,
 each rank's answer predicted from the bytes sent (its vocab-parallel, column- and row-parallel shards), over the
-distributed and the colocated transport (one shared-memory handle per engine rank)."""
+distributed, the colocated (one shared-memory handle to each bucket per engine rank) and the shard_direct transport
+(each engine rank maps only its own parameters, loaded with load_format "direct")."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def server(reference_checkpoints, sglang_python, tmp_path_factory):
         yield s
 
 
-@pytest.mark.parametrize("transport", ["distributed", "colocated"])
+@pytest.mark.parametrize("transport", ["distributed", "colocated", "shard_direct"])
 def test_a_tp2_server_is_verified_engine_exact_per_rank(server, source, reference_checkpoints, transport):
     tensors, num_layers = load_checkpoint(reference_checkpoints / "target")
     num_tensors = len(exported_names(tensors, num_hidden_layers=num_layers, include_mtp=False))
