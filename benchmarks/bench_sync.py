@@ -1,6 +1,7 @@
 """Sync throughput, scaling and overheads, side by side against baselines and this machine's ceiling, in one run.
 
-    python benchmarks/bench_sync.py [--quick] [--parallel-only] [--json PATH] [--png PATH] [--cache DIR] [--repeats N]
+    python benchmarks/bench_sync.py [--quick] [--parallel-only] [--tp-only] [--json PATH] [--png PATH]
+        [--cache DIR] [--repeats N] [--models NAMES]
 
 Every figure is a ratio of things measured in the same run (the machine is shared and noisy). Per model (Qwen3
 shapes from ~20M to ~500M parameters, `--quick`: up to ~100M; see _sync_models.py), against reference engines
@@ -29,10 +30,12 @@ the core count).
 
 Sweeps on the largest model of the run: bucket size (16 MiB to 1 GiB; quick: to 256 MiB) with the peak RSS growth
 of the sending process and of one engine; 1 to 4 engines; and
-one TP=1 engine against one TP=2 engine (`serve --tp-size 2`: an HTTP front and 2 rank processes), distributed and
-colocated, verify off, with the bytes each engine rank received: for distributed, measured as the TCP bytes its
-sockets received during the measured syncs (the kernel's tcp_info, read with `ss`); for colocated, derived (each
-rank maps a payload covering the whole bucket, so bytes per rank = bytes sent; no socket carries them).
+one TP=1 engine against one TP=2 engine (`serve --tp-size 2`: an HTTP front and 2 rank processes), distributed,
+colocated and shard_direct, verify off, with the bytes each engine rank took in per sync as the engine counts them
+(`miles_sync_received_bytes` in its server info: broadcasts received, payload tensors mapped; for distributed also
+the TCP bytes its sockets received, read from the kernel's tcp_info with `ss`) and the CPU seconds the sender and the
+engine's processes used per sync (`shard_direct_vs_colocated_tp2_cpu_s` beside the wall-time ratio: what the cores
+allow when both are CPU-bound).
 Each measured sync is the median of `--repeats` syncs after one warm-up sync (group set-up excluded). Phase times
 come from the SyncReport the controller returns.
 
@@ -258,6 +261,8 @@ class Measured:
     # CPU time the sender and the engines used over the measured syncs, over their wall time times the machine's
     # cores: near 1, the machine's cores (not a wait) bound the series.
     cpu_busy: float = float("nan")
+    cpu_s: float = float("nan")  # that CPU time itself, over the measured syncs
+    num_syncs: int = 0  # syncs of the series, the warm-up included
 
 
 def run_syncs(
@@ -303,7 +308,7 @@ def run_syncs(
             peaks = {} if sampler is None else sampler.stop()
         median = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
         if sampler is None:
-            return Measured(report=median, tcp_received=received, cpu_busy=cpu_busy)
+            return Measured(report=median, tcp_received=received, cpu_busy=cpu_busy, cpu_s=cpu_s, num_syncs=repeats + 1)
         sender, *engines = sample_pids
         start_rss = engine_start_rss or {}
         engine_peak = max((sampler.peak[p] - start_rss.get(p, sampler.baseline[p]) for p in engines), default=0)
@@ -313,6 +318,8 @@ def run_syncs(
             engine_peak_bytes=engine_peak,
             tcp_received=received,
             cpu_busy=cpu_busy,
+            cpu_s=cpu_s,
+            num_syncs=repeats + 1,
         )
 
     measured = asyncio.run(go())
@@ -358,6 +365,12 @@ class EngineFleet:
     def pids(self) -> list[int]:
         return [launcher.pid for launcher in self.launchers]
 
+    def received_bytes(self, index: int) -> list[int]:
+        """Per TP rank of engine `index`, the bytes of tensor data it took in since it started, as the engine itself
+        counts them (broadcasts received, payload tensors mapped)."""
+        with urllib.request.urlopen(f"{self.launchers[index].url}/get_server_info", timeout=CALL_TIMEOUT_S) as response:
+            return [int(n) for n in json.load(response)["miles_sync_received_bytes"]]
+
     def rank_pids(self, index: int) -> list[int]:
         """The processes holding engine `index`'s weights: its TP rank processes, or at TP=1 the engine itself."""
         launcher = self.launchers[index]
@@ -380,13 +393,21 @@ def digest_case(m: Measured) -> dict:
     }
 
 
-def tp_case_row(m: Measured, *, transport: str, engine_tp: int, rank_pids: Sequence[int]) -> dict:
-    """One row of the TP comparison. Distributed: every rank joins the update group and receives every bucket
-    over its sockets, so bytes per rank are measured. Colocated: each rank maps a payload of the whole bucket from
-    shared memory (and copies its shard out of it), which no counter here sees, so they are derived."""
+def tp_case_row(
+    m: Measured,
+    *,
+    transport: str,
+    engine_tp: int,
+    rank_pids: Sequence[int],
+    received: Sequence[float],
+    model_bytes: int,
+) -> dict:
+    """One row of the TP comparison. `received`: per engine rank, the bytes the engine counted itself taking in per
+    sync (measured: broadcasts received, payload tensors mapped). Distributed also keeps the TCP bytes each rank's
+    sockets received (the kernel's count, a cross-check); colocated and shard_direct payloads travel as
+    shared-memory handles no socket sees."""
     report = m.report
     tcp = [m.tcp_received.get(pid, float("nan")) for pid in rank_pids]
-    is_measured = transport == "distributed" and len(m.tcp_received) == len(rank_pids)
     return {
         "transport": transport,
         "engine_tp": engine_tp,
@@ -395,9 +416,11 @@ def tp_case_row(m: Measured, *, transport: str, engine_tp: int, rank_pids: Seque
         "total_s": report.total_s,
         "bytes_sent": report.num_bytes,
         "buckets": report.num_buckets,
-        "bytes_per_rank": tcp if is_measured else [report.num_bytes] * engine_tp,
-        "bytes_per_rank_basis": "measured" if is_measured else "derived",
-        "tcp_bytes_per_rank": tcp,  # colocated: the HTTP body at TP=1, nothing at TP>1 (ranks hear over pipes)
+        "bytes_per_rank": list(received),
+        "bytes_per_rank_basis": "measured",
+        "recv_per_rank_over_model": max(received) / model_bytes,
+        "tcp_bytes_per_rank": tcp,  # distributed only: the group's sockets; nothing carries the others' bytes
+        "cpu_s": m.cpu_s / max(1, m.num_syncs - 1),  # per measured sync, the sender and the engine's processes
     }
 
 
@@ -573,23 +596,73 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
                         "phases": vars(report.phases),
                     }
                 )
-            log(f"{spec.name}: one TP=1 engine vs one TP={ENGINE_TP} engine")
-            tp_fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir, tp_size=ENGINE_TP)
-            fleets = {1: fleet, ENGINE_TP: tp_fleet}  # the first engine of each
-            rank_pids = {engine_tp: f.rank_pids(0) for engine_tp, f in fleets.items()}
-            row["tp_cases"] = []
-            for transport in ("distributed", "colocated"):
-                cases = []
-                for engine_tp, f in fleets.items():  # side by side: TP=1 then TP=2, per transport
-                    m = ours(transport, verify=False, engine_urls=f.urls(1), count_pids=rank_pids[engine_tp])
-                    cases.append(
-                        tp_case_row(m, transport=transport, engine_tp=engine_tp, rank_pids=rank_pids[engine_tp])
-                    )
-                for case in cases:
-                    case["send_s_over_tp1"] = case["send_s"] / cases[0]["send_s"]
-                    case["total_s_over_tp1"] = case["total_s"] / cases[0]["total_s"]
-                row["tp_cases"] += cases
+            row["tp_cases"] = tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)
     tensors = None  # release the model before the next one loads (closures above still name it)
+    return row
+
+
+def tp_cases(spec: ModelSpec, args, *, stack: ExitStack, model_dir: Path, fleet: EngineFleet, ours) -> list[dict]:
+    """The TP comparison: one TP=1 engine (`fleet`'s first) against one TP=2 engine started here, side by side per
+    transport; `ours(transport, **options)` runs one measured series."""
+    num_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
+    log(f"{spec.name}: one TP=1 engine vs one TP={ENGINE_TP} engine")
+    tp_fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir, tp_size=ENGINE_TP)
+    fleets = {1: fleet, ENGINE_TP: tp_fleet}  # the first engine of each
+    rank_pids = {engine_tp: f.rank_pids(0) for engine_tp, f in fleets.items()}
+    rows = []
+    for transport in ("distributed", "colocated", "shard_direct"):
+        cases = []
+        for engine_tp, f in fleets.items():  # side by side: TP=1 then TP=2, per transport
+            log(f"  {transport} into the TP={engine_tp} engine")
+            before = f.received_bytes(0)
+            m = ours(
+                transport,
+                verify=False,
+                engine_urls=f.urls(1),
+                count_pids=rank_pids[engine_tp],
+                cpu_pids=[os.getpid(), f.pids[0], *rank_pids[engine_tp]],
+            )
+            received = [(a - b) / m.num_syncs for a, b in zip(f.received_bytes(0), before)]
+            cases.append(
+                tp_case_row(
+                    m,
+                    transport=transport,
+                    engine_tp=engine_tp,
+                    rank_pids=rank_pids[engine_tp],
+                    received=received,
+                    model_bytes=num_bytes,
+                )
+            )
+        for case in cases:
+            case["send_s_over_tp1"] = case["send_s"] / cases[0]["send_s"]
+            case["total_s_over_tp1"] = case["total_s"] / cases[0]["total_s"]
+        rows += cases
+    tp_fleet.stop()
+    return rows
+
+
+def bench_tp_only(spec: ModelSpec, args) -> dict:
+    """`--tp-only`: the TP comparison alone, on one model."""
+    model_dir = checkpoint_dir(spec, args.cache)
+    tensors = read_safetensors(model_dir / "model.safetensors")
+    row: dict = {"model": spec.name, "params": sum(t.numel() for t in tensors.values()), "tensors": len(tensors)}
+    row["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    with ExitStack() as stack:
+        fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir)
+
+        def ours(transport: str, *, verify: bool, engine_urls, count_pids, cpu_pids) -> Measured:
+            sender = model_sender(tensors, transport=transport, bucket_bytes=DEFAULT_BUCKET, verify=verify)
+            return run_syncs(
+                engine_urls,
+                sender,
+                transport=transport,
+                verify=verify,
+                repeats=args.repeats,
+                count_pids=count_pids,
+                cpu_pids=cpu_pids,
+            )
+
+        row["tp_cases"] = tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)
     return row
 
 
@@ -679,9 +752,7 @@ def topologies(
         )
         tp_row = next((r for r in rows if r.get("tp_cases")), None)
         if tp_row is not None:
-            tp2 = tp2_case(tp_row, "distributed")
-            out["tp2_vs_tp1_total_s"] = tp2["total_s_over_tp1"]
-            out["tp2_recv_per_rank_over_sent"] = min(tp2["bytes_per_rank"]) / tp2["bytes_sent"]
+            out.update(tp_topologies(tp_row))
     if fp8 is not None:
         out["fp8_vs_bf16_wire_bytes"] = fp8["wire_bytes_ratio"]
         out["fp8_vs_bf16_sync_s"] = fp8["sync_s_ratio"]
@@ -692,6 +763,25 @@ def topologies(
     if guard is not None:
         out["draft_guard_checker_vs_target_only"] = guard["checker_all_vs_target"]
         out["draft_guard_added_share_of_verify"] = guard["added_share_of_verify"]
+    return out
+
+
+def tp_topologies(tp_row: dict) -> dict:
+    """The TP comparison's side-by-side ratios (`topologies`; time ratios > 1 are slower than the case after
+    `_vs_`)."""
+    tp2 = tp2_case(tp_row, "distributed")
+    out = {
+        "tp2_vs_tp1_total_s": tp2["total_s_over_tp1"],
+        "tp2_recv_per_rank_over_sent": min(tp2["bytes_per_rank"]) / tp2["bytes_sent"],
+    }
+    # Into the same TP=2 engine: each rank's own parameters (shard_direct) against the whole bucket per rank
+    # (colocated); the CPU-time ratio beside the wall-time one is what the machine's cores allow.
+    direct, colocated = tp2_case(tp_row, "shard_direct"), tp2_case(tp_row, "colocated")
+    out["shard_direct_tp2_recv_per_rank_over_model"] = direct["recv_per_rank_over_model"]
+    out["colocated_tp2_recv_per_rank_over_model"] = colocated["recv_per_rank_over_model"]
+    out["shard_direct_vs_colocated_tp2_total_s"] = direct["total_s"] / colocated["total_s"]
+    out["shard_direct_vs_colocated_tp2_send_s"] = direct["send_s"] / colocated["send_s"]
+    out["shard_direct_vs_colocated_tp2_cpu_s"] = direct["cpu_s"] / colocated["cpu_s"]
     return out
 
 
@@ -728,21 +818,7 @@ def print_tables(result: dict) -> None:
     print(f"engine sweep ({sweep_row['model']}): engines, send GB/s per engine, aggregate, total s")
     for s in sweep_row["engine_sweep"]:
         print(f"  {s['engines']} {s['send_gbps']:>6.2f} {s['aggregate_send_gbps']:>6.2f} {s['total_s']:>6.2f}")
-    print(
-        f"\nTP comparison ({sweep_row['model']}, one engine, verify off): bytes received per engine rank, measured ="
-        " TCP bytes the rank's sockets received per sync, derived = bytes sent; time ratios against the TP=1 engine"
-    )
-    print(
-        f"  {'case':<12}{'TP':>3}{'GB/s':>7}{'send s':>8}{'total s':>8}{'sent MiB':>10}{'recv/rank MiB':>15}"
-        f"{'recv/sent':>10}  {'basis':<9}{'TP/TP1 send':>12}{'TP/TP1 total':>13}"
-    )
-    for c in sweep_row["tp_cases"]:
-        per_rank = "/".join(f"{n / MIB:.1f}" for n in c["bytes_per_rank"])
-        print(
-            f"  {c['transport']:<12}{c['engine_tp']:>3}{c['send_gbps']:>7.2f}{c['send_s']:>8.3f}{c['total_s']:>8.3f}"
-            f"{c['bytes_sent'] / MIB:>10.1f}{per_rank:>15}{min(c['bytes_per_rank']) / c['bytes_sent']:>10.3f}  "
-            f"{c['bytes_per_rank_basis']:<9}{c['send_s_over_tp1']:>12.2f}{c['total_s_over_tp1']:>13.2f}"
-        )
+    print_tp_table(sweep_row)
     largest = max(result["models"], key=lambda row: row["params"])
     print(
         f"\n{largest['model']}: share of the {result['cpu_count']} cores the sender and engines kept busy: "
@@ -780,6 +856,26 @@ def print_tables(result: dict) -> None:
     for key, value in result["topologies"].items():
         print(f"  {key} = {value:.3f}")
     print_parallel_table(result["parallel"])
+
+
+def print_tp_table(row: dict) -> None:
+    print(
+        f"\nTP comparison ({row['model']}, one engine fed by one source, verify off): bytes each engine rank"
+        " took in per sync, counted by the engine (broadcasts received, payload tensors mapped); recv/model: the"
+        " busiest rank's over the model's bytes; CPU s: the sender's and the engine's processes per sync; time"
+        " ratios against the TP=1 engine"
+    )
+    print(
+        f"  {'case':<13}{'TP':>3}{'GB/s':>7}{'send s':>8}{'total s':>8}{'sent MiB':>10}{'recv/rank MiB':>15}"
+        f"{'recv/model':>11}{'CPU s':>7}{'TP/TP1 send':>12}{'TP/TP1 total':>13}"
+    )
+    for c in row["tp_cases"]:
+        per_rank = "/".join(f"{n / MIB:.1f}" for n in c["bytes_per_rank"])
+        print(
+            f"  {c['transport']:<13}{c['engine_tp']:>3}{c['send_gbps']:>7.2f}{c['send_s']:>8.3f}{c['total_s']:>8.3f}"
+            f"{c['bytes_sent'] / MIB:>10.1f}{per_rank:>15}{c['recv_per_rank_over_model']:>11.3f}{c['cpu_s']:>7.2f}"
+            f"{c['send_s_over_tp1']:>12.2f}{c['total_s_over_tp1']:>13.2f}"
+        )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -831,6 +927,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="models up to ~100M, bucket sweep to 256 MiB")
     parser.add_argument("--parallel-only", action="store_true", help="only the pipeline/expert-parallel section")
+    parser.add_argument(
+        "--tp-only", action="store_true", help="only the TP comparison (TP=1 vs TP=2 engine, each transport)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="default outputs/bench_sync[_parallel].json")
     parser.add_argument("--png", type=Path, default=Path("outputs/bench_sync.png"))
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("MILES_SYNC_CACHE", "~/.cache/miles_sync")))
@@ -840,7 +939,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.cache = args.cache.expanduser()
     if args.json is None:
-        args.json = Path("outputs/bench_sync_parallel.json" if args.parallel_only else "outputs/bench_sync.json")
+        kind = "_parallel" if args.parallel_only else "_tp" if args.tp_only else ""
+        args.json = Path(f"outputs/bench_sync{kind}.json")
     args.repeats = args.repeats or (2 if args.quick else 3)
     names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
     args.bucket_sweep = [16, 64, 256] if args.quick else [16, 64, 256, 1024]
@@ -854,6 +954,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
+    if args.tp_only:
+        with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
+            row = bench_tp_only(MODELS[sweep_model], args)
+        result = {
+            "tp_only": True,
+            "repeats": args.repeats,
+            "wall_s": time.perf_counter() - started,
+            "cpu_count": os.cpu_count(),
+            "commit": git_commit(),
+            "models": [row],
+            "topologies": tp_topologies(row),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        print_tp_table(row)
+        print(json.dumps(result["topologies"], indent=2, sort_keys=True))
+        print(f"\nwrote {args.json} in {result['wall_s']:.0f} s")
+        return 0
     with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
         rows = (
             [] if args.parallel_only else [bench_model(MODELS[n], args, is_sweep_model=n == sweep_model) for n in names]

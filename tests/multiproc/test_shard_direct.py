@@ -109,6 +109,13 @@ def expected_answer(weights, *, shape: TPShape, tp_size: int, num_layers: int) -
     ]
 
 
+def received_bytes(server) -> list[int]:
+    """Per TP rank, the bytes of tensor data the engine counts it took in since start."""
+    status, answer = server.get("/get_server_info")
+    assert status == 200, answer
+    return answer["miles_sync_received_bytes"]
+
+
 def sync_steps(urls, source, steps, **options):
     async def main():
         ctl = controller(urls, source, **options)
@@ -130,7 +137,9 @@ def test_each_rank_receives_its_own_parameters_and_the_sync_verifies_engine_exac
 ):
     urls = [server.url for server in fleet]
     asyncio.run(source.call("configure", settings()))
+    before = [received_bytes(server) for server in fleet]
     reports = sync_steps(urls, source, (1, 2))
+    received = [[a - b for a, b in zip(received_bytes(server), start)] for server, start in zip(fleet, before)]
     for report in reports:
         assert report.committed and report.selector is Selector.TARGET, report.error
         assert report.transport == "shard_direct"
@@ -139,6 +148,19 @@ def test_each_rank_receives_its_own_parameters_and_the_sync_verifies_engine_exac
     weights = weights_at_step(tensors, 2)
     for server, tp in zip(fleet, (2, 1)):
         assert target_answer(server.url) == expected_answer(weights, shape=shape, tp_size=tp, num_layers=num_layers)
+    # Each rank took in exactly its own parameters, twice (the engine's own count): about half the model at TP=2.
+    target = {n: t for n, t in weights.items() if not n.startswith(f"model.layers.{num_layers}.")}
+    model_bytes = sum(t.numel() * t.element_size() for t in target.values())
+    for rank_received, tp in zip(received, (2, 1)):
+        own = [
+            sum(
+                t.numel() * t.element_size()
+                for t in rank_engine_tensors(target, shape=shape, tp_rank=r, tp_size=tp).values()
+            )
+            for r in range(tp)
+        ]
+        assert rank_received == [2 * n for n in own], (tp, rank_received, own)
+    assert all(0.45 < n / (2 * model_bytes) < 0.6 for n in received[0]), (received[0], model_bytes)
     outputs = [generate(server, PROMPT, max_new_tokens=12)[1] for server in fleet]
     assert {o["meta_info"]["weight_version"] for o in outputs} == {reports[-1].version}
     assert outputs[0]["output_ids"] == outputs[1]["output_ids"]

@@ -86,6 +86,7 @@ class WeightBackend(Protocol):
     def decode(self, payloads: Sequence[str], *, load_format: str | None) -> tuple[Any, list[TensorMeta]]: ...
     def load(self, runners: Sequence[Any], staged: Any) -> dict[str, int]: ...
     def stage_direct(self, runners: Sequence[Any], payloads: Sequence[str]) -> Any: ...
+    def received_bytes(self) -> tuple[int, ...]: ...
     def load_direct(self, runners: Sequence[Any], staged: Any) -> dict[str, int]: ...
     def discard(self, staged: Any) -> None: ...
     def check(self, request: WeightsCheckerRequest, *, roles: set[Role]) -> WeightsCheckerResult: ...
@@ -123,6 +124,12 @@ class LocalBackend:
             tensor_hash=tensor_hash,
         )
         self._receive_buffer: torch.Tensor | None = None  # see _bucket_buffer
+        self._received_bytes = 0
+
+    def received_bytes(self) -> tuple[int, ...]:
+        """Bytes of tensor data this rank took in since start (broadcasts received, payload tensors it mapped): what
+        a benchmark reads to measure how much of the model each engine rank receives."""
+        return (self._received_bytes,)
 
     @property
     def checksum_names(self) -> ChecksumNames:
@@ -158,6 +165,7 @@ class LocalBackend:
             if is_bucket:
                 buffer = allocate(lambda: self._bucket_buffer(entries[-1].end, device=group.device), entries[-1].end)
                 group.broadcast(buffer, src=SOURCE_RANK, timeout_s=self._timeout_s)
+                self._received_bytes += entries[-1].end
                 return unpack_bucket(buffer.cpu(), entries)
             named = []
             for entry in entries:
@@ -166,6 +174,7 @@ class LocalBackend:
                     entry.end - entry.start,
                 )
                 group.broadcast(tensor, src=SOURCE_RANK, timeout_s=self._timeout_s)
+                self._received_bytes += entry.end - entry.start
                 named.append((entry.name, tensor.cpu()))
             return named
         except AllocationError:
@@ -191,6 +200,7 @@ class LocalBackend:
                 f"takes exactly {self.tp_size} (one per TP rank)"
             )
         named = decode_payload(payloads[0], load_format=load_format)
+        self._received_bytes += sum(t.numel() * t.element_size() for _, t in named)
         return named, [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in named]
 
     def load(self, runners: Sequence[StoredRunner], staged: list) -> dict[str, int]:

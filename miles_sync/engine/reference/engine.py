@@ -185,6 +185,11 @@ class ReferenceEngine:
         """What /weights_checker checksum answers: HF names and logical bytes, or SGLang's engine names and bytes."""
         return self._backend.checksum_names
 
+    def received_bytes(self) -> tuple[int, ...]:
+        """Per TP rank, the bytes of tensor data it took in since start (see LocalBackend.received_bytes). Takes no
+        engine lock: a multi-rank engine's control channel serializes it with the weight operations."""
+        return self._backend.received_bytes()
+
     @property
     def tensor_hash(self) -> TensorHash:
         """How /weights_checker's engine-named digests are computed (SGLang's CPU or GPU tensor hash)."""

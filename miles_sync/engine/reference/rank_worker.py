@@ -159,6 +159,10 @@ class _Rank:
             raise ValueError("no staged payload to load")
         return {role: self._runners[Role(role)].load(staged) for role in roles}
 
+    def received_bytes(self) -> int:
+        (num_bytes,) = self._backend.received_bytes()
+        return num_bytes
+
     def stage_direct(self, *, payload: Any, roles: list[str]) -> str | None:
         """Decode this rank's direct payload and check it against the `roles` runners; staged when it loads.
         Returns None, or why SGLang's loader would die on it (the front takes the whole engine down)."""

@@ -390,6 +390,9 @@ class RankBackend:
     def destroy_group(self, group_name: str) -> None:
         self._fleet.call("control", "destroy_group", group_name=group_name)
 
+    def received_bytes(self) -> tuple[int, ...]:
+        return tuple(self._fleet.call("control", "received_bytes"))
+
     def receive(self, group_name: str, entries: Sequence[BucketEntry], *, is_bucket: bool) -> str:
         self._fleet.call("control", "receive", group_name=group_name, entries=tuple(entries), is_bucket=is_bucket)
         return "staged"

@@ -284,6 +284,8 @@ def create_app(
                 "finalize_policy": engine.finalize_policy.value,
                 CHECKSUM_NAMES_KEY: engine.checksum_names.value,
                 "miles_sync_tensor_hash": engine.tensor_hash.value,
+                # per TP rank, bytes of tensor data received since start (benchmarks measure with it)
+                "miles_sync_received_bytes": list(await asyncio.to_thread(engine.received_bytes)),
                 "version": f"miles_sync-reference-{__version__}",
                 "weight_version": launch_weight_version,
                 "internal_states": [
