@@ -155,7 +155,7 @@ def plan_direct(metas: Iterable[TensorMeta], *, layout: DirectLayout) -> DirectP
                 piece, local = _piece(by_name[part], shape=shape, tp_rank=tp_rank, tp_size=tp_size, offset=offset)
                 pieces.append(piece)
                 local_shapes.append(local)
-                offset += _matrix_shape(local)[0] if piece.dim == 0 else 0
+                offset += matrix_shape(local)[0] if piece.dim == 0 else 0
             dtype = by_name[parts[0]].dtype
             meta_parts = [torch.empty(s, dtype=dtype, device="meta") for s in local_shapes]
             param_shape = tuple(sglang_fused_tensor(name, meta_parts).shape)
@@ -166,7 +166,7 @@ def plan_direct(metas: Iterable[TensorMeta], *, layout: DirectLayout) -> DirectP
                     dtype=dtype,
                     pieces=tuple(pieces),
                     is_post_processed=is_linear_weight(name) and spec.applies_to(param_shape, dtype),
-                    matrix=(sum(_matrix_shape(s)[0] for s in local_shapes), _matrix_shape(local_shapes[0])[1]),
+                    matrix=(sum(matrix_shape(s)[0] for s in local_shapes), matrix_shape(local_shapes[0])[1]),
                 )
             )
         ranks.append(tuple(params))
@@ -179,7 +179,7 @@ def _piece(
     meta: TensorMeta, *, shape: TPShape, tp_rank: int, tp_size: int, offset: int
 ) -> tuple[Piece, tuple[int, ...]]:
     """The piece rank `tp_rank` keeps of one HF tensor and the shape of its local shard (padding included)."""
-    rows, cols = _matrix_shape(meta.shape)
+    rows, cols = matrix_shape(meta.shape)
     kind = shard_kind(meta.name)
     if kind is ShardKind.ROW:
         size = meta.shape[-1] // tp_size
@@ -214,7 +214,7 @@ def coverage_problems(plan: DirectPlan, metas: Iterable[TensorMeta]) -> list[str
                 problems.append(f"{meta.name}: no rank receives any of it")
             continue
         kind = shard_kind(meta.name)
-        rows, cols = _matrix_shape(meta.shape)
+        rows, cols = matrix_shape(meta.shape)
         length = cols if kind is ShardKind.ROW else rows
         expected = {
             ShardKind.REPLICATED: layout.tp_size,
@@ -264,7 +264,7 @@ def _multiplicities(spans: Sequence[tuple[int, int]], length: int) -> list[tuple
     return result
 
 
-def _matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """A tensor seen as a matrix: its first dim by the rest (a scalar is 1 x 1, a vector a column)."""
     if not shape:
         return 1, 1
@@ -286,7 +286,7 @@ def build_param(
         if not p.length:
             continue
         source = tensors[p.hf_name]
-        matrix = source.reshape(_matrix_shape(tuple(source.shape)))
+        matrix = source.reshape(matrix_shape(tuple(source.shape)))
         dest.narrow(p.dim, p.offset, p.length).copy_(matrix.narrow(p.dim, p.start, p.length))
     result = dest.view(param.shape)
     if param.is_post_processed:
