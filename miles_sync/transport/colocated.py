@@ -314,7 +314,8 @@ class Delivery(Protocol):
     - `encode`: one payload per engine rank in `feeds` ((engine index, TP rank) pairs), in that order, or None
       for an engine rank that has nothing in this bucket;
     - `end_send` (source only): called once after the last bucket of a send succeeded; a problem found then (the
-      send left something undelivered) is returned, None otherwise. `reset` forgets a send's state.
+      send left something undelivered) is returned, None otherwise. `reset` forgets a send's state; `close` frees
+      what the delivery holds (the fan-out closes it).
     `load_format` is what the posted requests carry."""
 
     load_format: LoadFormat
@@ -328,6 +329,8 @@ class Delivery(Protocol):
     def end_send(self) -> str | None: ...
 
     def reset(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class FlattenedDelivery:
@@ -357,6 +360,9 @@ class FlattenedDelivery:
         return None
 
     def reset(self) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
 
@@ -447,8 +453,11 @@ class FanOut:
             await self._exchange(message, None, timeout_s=timeout_s)
 
     def close(self) -> None:
-        self._collectives.destroy()
-        self._thread.shutdown(wait=False)
+        try:
+            self._collectives.destroy()
+        finally:
+            self._delivery.close()
+            self._thread.shutdown(wait=False)
 
     def _finish_send(self) -> None:
         self._last_posted, self._state = tuple(self._state.posted), _SendState()

@@ -21,6 +21,7 @@ A send that ends with a parameter incomplete (a part never sent) fails at its en
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,8 @@ class DirectDelivery:
         self._parts = [plan.parts() for plan in self._plans]
         self._params = [[{p.name: p for p in params} for params in plan.ranks] for plan in self._plans]
         self._pending: dict[str, torch.Tensor] = {}  # parts of parameters not complete yet (copies)
+        num_keys = len({k for keys in self._keys_of.values() for k in keys})
+        self._builders = ThreadPoolExecutor(max_workers=max(1, num_keys), thread_name_prefix="miles-sync-build")
         self._done: list[set[str]] = [set() for _ in self._plans]
 
     def keys_fed_by(self, rank: int) -> tuple[Key, ...]:
@@ -114,21 +117,12 @@ class DirectDelivery:
             [n for n, parts in self._parts[i].items() if n not in self._done[i] and all(p in available for p in parts)]
             for i in range(len(self._plans))
         ]
-        contents, local = [], {}
-        for key in sorted({k for keys in self._keys_of.values() for k in keys}):
-            layout, tp_rank = key
-            params = [self._params[layout][tp_rank][name] for name in ready[layout]]
-            offsets = param_offsets(params)
-            num_bytes = 0 if not params else offsets[-1] + params[-1].num_bytes
-            buffer = self._buffer(key).take(num_bytes)
-            weight_layout = self._plans[layout].layout.weight_layout
-            for param, offset in zip(params, offsets):
-                build_param(param, available, out=buffer[offset:], weight_layout=weight_layout)
-            entries = tuple(
-                DirectEntry(name=p.name, shape=p.shape, dtype=p.dtype, offset=o) for p, o in zip(params, offsets)
-            )
-            contents.append(RankContents(layout=layout, tp_rank=tp_rank, num_bytes=num_bytes, entries=entries))
-            local[key] = buffer
+        keys = sorted({k for keys in self._keys_of.values() for k in keys})
+        # Each (layout, rank) buffer is built on a thread of its own (torch's copies release the GIL): the engine
+        # ranks wait for these bytes, so their cores are free while the source builds.
+        built = list(self._builders.map(lambda key: self._build(key, ready[key[0]], available), keys))
+        contents = [rank for rank, _ in built]
+        local = {key: buffer for key, (_, buffer) in zip(keys, built)}
         for i, names in enumerate(ready):
             self._done[i].update(names)
         self._keep_pending(tensors)
@@ -181,12 +175,32 @@ class DirectDelivery:
             + "; ".join(incomplete[:8])
         )
 
+    def close(self) -> None:
+        self._builders.shutdown(wait=False)
+
     def reset(self) -> None:
         self._pending.clear()
         for done in self._done:
             done.clear()
 
     # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _build(
+        self, key: Key, names: Sequence[str], available: Mapping[str, torch.Tensor]
+    ) -> tuple[RankContents, torch.Tensor]:
+        """The parameters `names` of one (layout, rank) key, built into its buffer from the `available` tensors."""
+        layout, tp_rank = key
+        params = [self._params[layout][tp_rank][name] for name in names]
+        offsets = param_offsets(params)
+        num_bytes = 0 if not params else offsets[-1] + params[-1].num_bytes
+        buffer = self._buffer(key).take(num_bytes)
+        weight_layout = self._plans[layout].layout.weight_layout
+        for param, offset in zip(params, offsets):
+            build_param(param, available, out=buffer[offset:], weight_layout=weight_layout)
+        entries = tuple(
+            DirectEntry(name=p.name, shape=p.shape, dtype=p.dtype, offset=o) for p, o in zip(params, offsets)
+        )
+        return RankContents(layout=layout, tp_rank=tp_rank, num_bytes=num_bytes, entries=entries), buffer
 
     def _buffer(self, key: Key) -> ReceiveBuffer:
         if key not in self._buffers:
