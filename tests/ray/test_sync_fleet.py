@@ -5,6 +5,7 @@ with frozen MTP drafts in the AITER layout, one controller actor per transport.
   weights really move each round, every sample carries the version that produced it, accept length holds;
 - an engine killed during the broadcast fails that sync in bounded time without a version bump; the survivor
   serves the old version; the restarted engine gets full, verified weights in a re-created group before serving;
+- the same rounds with shard_direct (each engine fed its own parameters by the trainer rank on its bundle);
 - an engine without the session endpoints is refused at connect, by name;
 - the embedding example (a pipeline with its own trainer actors) syncs into the same engines.
 """
@@ -162,6 +163,21 @@ def test_colocated_rounds(fleet):
                 (rank, urls[rank], 0, rank, pids[rank])
             }, posted
     print("colocated accept lengths", accept)
+
+
+def test_shard_direct_rounds(fleet):
+    """Each engine is fed by the trainer rank on its bundle: the export source builds every engine rank's own
+    parameters and sends rank 1's to trainer rank 1 point to point; each engine maps only memory of its own rank."""
+    with controller_for(fleet, TransportKind.SHARD_DIRECT) as controller:
+        accept = run_rounds(fleet, controller)
+        urls = current_urls(fleet.engines.actors)
+        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
+        for rank, actor in enumerate(fleet.trainers.actors):
+            posted = ray.get(actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60)
+            assert {(p.engine, p.url, p.tp_rank, p.feeder, p.segment_pid) for p in posted} == {
+                (rank, urls[rank], 0, rank, pids[rank])
+            }, posted
+    print("shard_direct accept lengths", accept)
 
 
 @contextlib.contextmanager
