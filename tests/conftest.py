@@ -54,6 +54,26 @@ def reference_checkpoints() -> Path:
     return cached_checkpoints(read_environment().cache_dir)
 
 
+@pytest.fixture(scope="session")
+def shape(reference_checkpoints: Path):
+    """The reference target's TP dimensions (miles_sync.weights.engine_layout.TPShape), from its config.json."""
+    import json
+
+    from miles_sync.weights.engine_layout import TPShape
+
+    return TPShape.from_config(json.loads((reference_checkpoints / "target" / "config.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def target_runner_weights(reference_checkpoints: Path):
+    """The reference target runner's full HF tensors: the checkpoint without its MTP layer."""
+    from reference_server import checkpoint_tensors, mtp_names
+
+    path = reference_checkpoints / "target"
+    draft = mtp_names(path)
+    return {name: t for name, t in checkpoint_tensors(path).items() if name not in draft}
+
+
 @pytest.fixture(scope="module")
 def source(reference_checkpoints: Path):
     """A ProcessSource (tests/sender_host.py) exporting the reference target checkpoint from processes of its own,

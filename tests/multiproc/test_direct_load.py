@@ -11,16 +11,14 @@ tests that crash an engine come last, each on the engine it kills or its own.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from reference_server import checkpoint_tensors, generate, mtp_names, reference_server
+from reference_server import generate, reference_server
 
 from miles_sync.engine.reference.runner import load_target_runner
 from miles_sync.engine.reference.sharded import load_sharded_runners
 from miles_sync.weights.checksum import sglang_parameter_names
-from miles_sync.weights.engine_layout import TPShape, rank_engine_digests, rank_engine_tensors
+from miles_sync.weights.engine_layout import rank_engine_digests, rank_engine_tensors
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.payload import encode_named_tensors
 
@@ -41,19 +39,6 @@ def engines(reference_checkpoints, tmp_path_factory):
         reference_server(model=target, log_dir=log_dir, extra_args=["--tp-size", "2"], **ENGINE_ARGS) as tp2,
     ):
         yield {1: tp1, 2: tp2}
-
-
-@pytest.fixture(scope="module")
-def target_weights(reference_checkpoints) -> dict[str, torch.Tensor]:
-    """The target runner's full HF tensors (the checkpoint without its MTP layer)."""
-    path = reference_checkpoints / "target"
-    draft = mtp_names(path)
-    return {name: t for name, t in checkpoint_tensors(path).items() if name not in draft}
-
-
-@pytest.fixture(scope="module")
-def shape(reference_checkpoints) -> TPShape:
-    return TPShape.from_config(json.loads((reference_checkpoints / "target" / "config.json").read_text()))
 
 
 def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -110,11 +95,11 @@ def shared_storage_payload(named: list[tuple[str, torch.Tensor]], keep: list) ->
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_a_direct_load_stores_each_ranks_bytes_as_sent_and_keeps_serving(
-    engines, target_weights, shape, draft_at_start, tp_size
+    engines, target_runner_weights, shape, draft_at_start, tp_size
 ):
     server = engines[tp_size]
     before = answered_digests(server)
-    weights = perturbed(target_weights, seed=tp_size)
+    weights = perturbed(target_runner_weights, seed=tp_size)
     keep: list = []
     payloads = [shared_storage_payload(named, keep) for named in rank_tensors(weights, shape=shape, tp_size=tp_size)]
     status, body = direct_session(server, payloads)
@@ -128,9 +113,9 @@ def test_a_direct_load_stores_each_ranks_bytes_as_sent_and_keeps_serving(
     assert status == 200 and len(answer["output_ids"]) == 4, answer
 
 
-def test_payload_i_is_loaded_by_rank_i(engines, target_weights, shape):
+def test_payload_i_is_loaded_by_rank_i(engines, target_runner_weights, shape):
     server = engines[2]
-    weights = perturbed(target_weights, seed=7)
+    weights = perturbed(target_runner_weights, seed=7)
     payloads = [encode_named_tensors(named) for named in rank_tensors(weights, shape=shape, tp_size=2)]
     status, body = direct_session(server, payloads[::-1])
     assert status == 200 and body["success"], body
@@ -141,9 +126,9 @@ def test_payload_i_is_loaded_by_rank_i(engines, target_weights, shape):
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_a_dtype_other_than_the_parameters_is_cast_silently(engines, target_weights, shape, tp_size):
+def test_a_dtype_other_than_the_parameters_is_cast_silently(engines, target_runner_weights, shape, tp_size):
     server = engines[tp_size]
-    weights = perturbed(target_weights, seed=20 + tp_size)
+    weights = perturbed(target_runner_weights, seed=20 + tp_size)
     weights[NORM] = weights[NORM] + 1.0
     ranks = rank_tensors(weights, shape=shape, tp_size=tp_size)
     sent = [[(NORM, dict(n)[NORM].to(torch.bfloat16)), (QKV, dict(n)[QKV].to(torch.float64))] for n in ranks]
@@ -162,13 +147,13 @@ def test_a_dtype_other_than_the_parameters_is_cast_silently(engines, target_weig
 
 @pytest.mark.parametrize("kind", ["hf-storage", "sharded"])
 def test_a_direct_load_is_never_finalized_and_serves_what_a_logical_load_serves(
-    reference_checkpoints, target_weights, shape, kind
+    reference_checkpoints, target_runner_weights, shape, kind
 ):
     """In process, both runner kinds in the AITER layout: after a direct load of the physical (shuffled) bytes,
     even SGLang's finalize-everything (`finalize_all`) leaves them as sent, and the model computes what a runner
     loaded with the same weights logically (then finalized) computes."""
     path = reference_checkpoints / "target"
-    weights = perturbed(target_weights, seed=41)
+    weights = perturbed(target_runner_weights, seed=41)
     physical = rank_tensors(weights, shape=shape, tp_size=1)[0]
 
     def runner():
@@ -215,27 +200,27 @@ def post_direct(server, payloads: list[str], *, selector: str = "target"):
 
 
 def test_selector_all_crashes_when_the_draft_lacks_a_target_parameter(
-    reference_checkpoints, target_weights, shape, tmp_path
+    reference_checkpoints, target_runner_weights, shape, tmp_path
 ):
     """Every selected runner loads the whole payload: the MTP draft has no target layer-0 parameter (KeyError)."""
     with reference_server(
         model=reference_checkpoints / "target", log_dir=tmp_path, checksum_names="engine", **ENGINE_ARGS
     ) as server:
-        named = [(NORM, target_weights[NORM]), (QKV, torch.zeros(256, 128))]
+        named = [(NORM, target_runner_weights[NORM]), (QKV, torch.zeros(256, 128))]
         result = post_direct(server, [encode_named_tensors(named)], selector="all")
         assert_crashed(server, result, names=[f"draft runner: KeyError: {NORM!r}"])
 
 
-def test_an_unknown_name_crashes_the_engine(engines, target_weights, shape):
+def test_an_unknown_name_crashes_the_engine(engines, target_runner_weights, shape):
     server = engines[1]
     name = "model.layers.0.self_attn.q_proj.weight"  # an HF name: the engine's parameter is qkv_proj
-    result = post_direct(server, [encode_named_tensors([(name, target_weights[name])])])
+    result = post_direct(server, [encode_named_tensors([(name, target_runner_weights[name])])])
     assert_crashed(server, result, names=[f"KeyError: {name!r}"])
 
 
-def test_a_wrong_shape_on_one_rank_crashes_the_whole_engine(engines, target_weights, shape):
+def test_a_wrong_shape_on_one_rank_crashes_the_whole_engine(engines, target_runner_weights, shape):
     server = engines[2]
-    good, other = rank_tensors(target_weights, shape=shape, tp_size=2)
+    good, other = rank_tensors(target_runner_weights, shape=shape, tp_size=2)
     down = "model.layers.0.mlp.down_proj.weight"
     bad = [(n, torch.zeros(3, 5) if n == down else t) for n, t in other]
     result = post_direct(server, [encode_named_tensors(good), encode_named_tensors(bad)])

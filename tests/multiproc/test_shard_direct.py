@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 import pytest
 import torch
-from reference_server import checkpoint_tensors, generate, reference_server
+from reference_server import generate, reference_server
 from sender_host import SenderSettings, load_checkpoint, weights_at_step
 
 from miles_sync.engine.client import EngineClient
@@ -60,11 +59,6 @@ def fleet(reference_checkpoints, tmp_path_factory):
             )
             for tp in (2, 1)
         ]
-
-
-@pytest.fixture(scope="module")
-def shape(reference_checkpoints) -> TPShape:
-    return TPShape.from_config(json.loads((reference_checkpoints / "target" / "config.json").read_text()))
 
 
 def controller(urls, source, *, selector_inputs: SelectorInputs = FROZEN_DRAFT) -> SyncController:
@@ -189,15 +183,13 @@ def test_a_fused_group_exported_in_part_is_refused_at_open(fleet, source):
     assert [target_answer(u) for u in urls] == before
 
 
-def test_a_corrupted_slice_is_named_by_rank_and_parameter(fleet, shape, reference_checkpoints):
+def test_a_corrupted_slice_is_named_by_rank_and_parameter(fleet, shape, target_runner_weights):
     """Rank 1 of the TP=2 engine loads a qkv_proj shard with one element changed (its own direct payload); the
     engine-exact check names that rank and parameter only."""
     tp2 = fleet[0]
-    tensors = checkpoint_tensors(reference_checkpoints / "target")
-    num_layers = json.loads((reference_checkpoints / "target" / "config.json").read_text())["num_hidden_layers"]
-    target = {n: t for n, t in tensors.items() if not n.startswith(f"model.layers.{num_layers}.")}
     ranks = [
-        rank_engine_tensors(target, shape=shape, tp_rank=r, tp_size=2, layout=WeightLayout.AITER) for r in range(2)
+        rank_engine_tensors(target_runner_weights, shape=shape, tp_rank=r, tp_size=2, layout=WeightLayout.AITER)
+        for r in range(2)
     ]
     qkv = "model.layers.1.self_attn.qkv_proj.weight"
     bad = {**ranks[1], qkv: ranks[1][qkv].clone()}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from miles_sync.sync.controller import SyncController
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.sync.verify import engine_exact_problems
-from miles_sync.weights.engine_layout import TPShape, rank_engine_tensors
+from miles_sync.weights.engine_layout import rank_engine_tensors
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.payload import encode_named_tensors
 from miles_sync.wire.protocol import PauseMode, Selector, WeightsCheckerAction, WeightsCheckerRequest
@@ -75,11 +74,6 @@ def fleet(reference_checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(reference_checkpoints):
     return load_checkpoint(reference_checkpoints / "target")
-
-
-@pytest.fixture(scope="module")
-def shape(reference_checkpoints) -> TPShape:
-    return TPShape.from_config(json.loads((reference_checkpoints / "target" / "config.json").read_text()))
 
 
 def controller(

@@ -26,10 +26,10 @@ import urllib.request
 
 import pytest
 import torch
-from reference_server import checkpoint_tensors, mtp_names, reference_server
+from reference_server import reference_server
 from sglang_server import sglang_server
 
-from miles_sync.weights.engine_layout import TPShape, rank_engine_digests, rank_engine_tensors
+from miles_sync.weights.engine_layout import rank_engine_digests, rank_engine_tensors
 from miles_sync.wire.payload import encode_named_tensors
 
 NORM = "model.norm.weight"
@@ -50,18 +50,6 @@ def servers(request, reference_checkpoints, sglang_python, tmp_path_factory):
         reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names) as ref,
     ):
         yield {"tp_size": tp_size, "sglang": real, "reference": ref}
-
-
-@pytest.fixture(scope="module")
-def target_weights(reference_checkpoints) -> dict[str, torch.Tensor]:
-    path = reference_checkpoints / "target"
-    draft = mtp_names(path)
-    return {name: t for name, t in checkpoint_tensors(path).items() if name not in draft}
-
-
-@pytest.fixture(scope="module")
-def shape(reference_checkpoints) -> TPShape:
-    return TPShape.from_config(json.loads((reference_checkpoints / "target" / "config.json").read_text()))
 
 
 def post(url: str, path: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, object]:
@@ -118,8 +106,8 @@ def assert_same_success_and_digests(servers, answers, expected_weights, *, shape
     assert ref == expected
 
 
-def test_a_direct_load_of_each_ranks_shards_lands_alike(servers, target_weights, shape):
-    weights = perturbed(target_weights, seed=servers["tp_size"])
+def test_a_direct_load_of_each_ranks_shards_lands_alike(servers, target_runner_weights, shape):
+    weights = perturbed(target_runner_weights, seed=servers["tp_size"])
     keep = rank_tensors(weights, shape=shape, tp_size=servers["tp_size"])
     before = digests(servers["reference"].url)
     answers = both(servers, [encode_named_tensors(named) for named in keep])
@@ -131,8 +119,8 @@ def test_a_direct_load_of_each_ranks_shards_lands_alike(servers, target_weights,
         assert status == 200 and len(answer["output_ids"]) == 4, (kind, answer)
 
 
-def test_a_dtype_other_than_the_parameters_is_cast_alike(servers, target_weights, shape):
-    weights = perturbed(target_weights, seed=10 + servers["tp_size"])
+def test_a_dtype_other_than_the_parameters_is_cast_alike(servers, target_runner_weights, shape):
+    weights = perturbed(target_runner_weights, seed=10 + servers["tp_size"])
     weights[NORM] = weights[NORM] + 1.0
     keep = []
     for named in rank_tensors(weights, shape=shape, tp_size=servers["tp_size"]):
@@ -145,11 +133,13 @@ def test_a_dtype_other_than_the_parameters_is_cast_alike(servers, target_weights
     )
 
 
-def test_a_tensor_sglang_dies_on_kills_both_servers(servers, target_weights, shape):
+def test_a_tensor_sglang_dies_on_kills_both_servers(servers, target_runner_weights, shape):
     """Last for its TP size: TP=1 sends an HF name (no such parameter), TP=2 a wrong shape on rank 1 only."""
-    named = rank_tensors(target_weights, shape=shape, tp_size=servers["tp_size"])
+    named = rank_tensors(target_runner_weights, shape=shape, tp_size=servers["tp_size"])
     if servers["tp_size"] == 1:
-        keep = [[(NORM, target_weights[NORM]), ("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 128))]]
+        keep = [
+            [(NORM, target_runner_weights[NORM]), ("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 128))]
+        ]
     else:
         keep = [named[0], [(n, torch.zeros(3, 5) if n == DOWN else t) for n, t in named[1]]]
     payloads = [encode_named_tensors(tensors) for tensors in keep]  # `keep` holds the tensors until both answered
