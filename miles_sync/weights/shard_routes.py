@@ -2,30 +2,30 @@
 that feeds each engine rank, so that a slice moves between trainer ranks only when its feeder does not hold it.
 
 The engine side is a `DirectPlan` (miles_sync.weights.shard_plan: every engine rank's parameters as pieces of HF
-tensors). The trainer side is what each rank of one pipeline stage holds of each HF tensor after a local conversion
-of its own Megatron shards (`megatron_holdings`, megatron-core's split): q/k/v rows of its query groups, its block of
-gate/up rows, of o_proj/down_proj columns and of the (Megatron-padded) vocabulary, the whole of every replicated
-tensor, and the whole of the experts its EP rank owns. `route_direct` cuts every engine piece where holders' slices
-begin and end and gives each cut one source: the engine rank's own feeder when it holds it (nothing moves between
-trainer ranks), else the lowest rank that does. A slice no trainer rank holds is a planning error, named, before
-anything moves. Pure.
+tensors). The trainer side is what each rank of one pipeline stage holds of each HF tensor after converting its own
+Megatron shards (`converter_holdings`): exactly the HF slices the export converter reads to build that shard (its
+`read_shard`, the inverse of the gather's merge), so the routing follows the converter's own split rules (q/k/v rows
+of the rank's query groups, its blocks of gate/up rows, of o_proj/down_proj columns and of the Megatron-padded
+vocabulary, a column-parallel MTP eh_proj, every replicated tensor whole) and the whole of the experts its EP rank
+owns. `route_direct` cuts every engine piece where holders' slices begin and end and gives each cut one source: the
+engine rank's own feeder when it holds it (nothing moves between trainer ranks), else the lowest rank that does. A
+slice no trainer rank holds is a planning error, named, before anything moves. Pure.
 """
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from miles_sync.weights.engine_layout import ShardKind, shard_kind
+import torch
+
 from miles_sync.weights.shard_plan import DirectPlan, matrix_shape
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.text import raise_if
 
 __all__: list[str] = []  # the routing's first consumer is its table test; the no-gather transport will import it
-
-_EXPERT = re.compile(r".*\.mlp\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,12 +41,13 @@ class TrainerRank:
 
 @dataclass(frozen=True, kw_only=True)
 class Holding:
-    """Rows (`dim` 0) or columns (`dim` 1) [start, end) of an HF tensor, seen as a matrix, held by trainer `rank`."""
+    """Rows (`dim` 0) or columns (`dim` 1) [start, end) of an HF tensor, seen as a matrix, held by trainer `rank`;
+    `dim` None: the whole tensor (start, end unused)."""
 
     rank: int
-    dim: int
-    start: int
-    end: int
+    dim: int | None
+    start: int = 0
+    end: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,51 +72,57 @@ class Route:
         return (self.end - self.start) * per_line * meta.dtype.itemsize
 
 
-def megatron_holdings(
-    metas: Iterable[TensorMeta], *, ranks: Sequence[TrainerRank], vocab_divisor: int = 128
+class ShardReader(Protocol):
+    """How one trainer rank's Megatron shard of a parameter is read from HF tensors: the export converter's
+    `read_shard` (miles_sync.export.converter.Converter), given a reader of HF slices; the slices it asks for are
+    what that rank holds after converting its shard back (the converter's round trip is bit-exact)."""
+
+    def __call__(
+        self, read: Callable[[str, int | None, int, int], torch.Tensor], *, rank: int, size: int
+    ) -> object: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedParam:
+    """One Megatron parameter of a stage: the HF tensors it becomes (`hf_shapes`), how a TP rank's shard reads
+    them (`read_shard`), and, for an expert, its global id and the block's expert count (EP-owned, expert TP 1)."""
+
+    hf_shapes: Mapping[str, tuple[int, ...]]
+    read_shard: ShardReader
+    expert: int | None = None
+    num_experts: int = 0
+
+
+def converter_holdings(
+    params: Iterable[ShardedParam], *, ranks: Sequence[TrainerRank]
 ) -> dict[str, tuple[Holding, ...]]:
-    """What each rank of one stage holds of each HF tensor (`metas`: the stage's export) after converting its own
-    shards, by megatron-core's split: column-parallel rows and row-parallel columns in TP-rank blocks, the vocabulary
-    padded to a multiple of `vocab_divisor * tp_size` (megatron's `make_vocab_size_divisible_by`) then split in
-    blocks (padding rows held by nobody), every other dense tensor whole on every rank, an expert whole on the ranks
-    of the EP rank that owns it (a block's experts split evenly over the EP ranks, in order; expert TP 1)."""
-    metas = list(metas)
-    num_experts: dict[str, int] = defaultdict(int)  # MoE block -> experts in it
-    for meta in metas:
-        expert = _EXPERT.match(meta.name)
-        if expert is not None:
-            block = meta.name[: expert.start(1)]
-            num_experts[block] = max(num_experts[block], int(expert.group(1)) + 1)
-    holdings: dict[str, tuple[Holding, ...]] = {}
-    for meta in metas:
-        rows, cols = matrix_shape(meta.shape)
-        expert = _EXPERT.match(meta.name)
-        held = []
+    """What each rank of one stage holds of each HF tensor after converting its own shards: the HF slices its
+    converter reads to build that shard (a dense parameter on every TP rank; an expert whole on the ranks of the EP
+    rank that owns it, experts split evenly over EP ranks in order)."""
+    holdings: dict[str, list[Holding]] = defaultdict(list)
+    for param in params:
         for r in ranks:
-            if expert is None:
-                held.append(_dense_holding(meta.name, rows, cols, r, vocab_divisor=vocab_divisor))
+            if param.expert is not None and param.expert // (param.num_experts // r.ep_size) != r.ep_rank:
                 continue
-            per_rank = num_experts[meta.name[: expert.start(1)]] // r.ep_size
-            if int(expert.group(1)) // per_rank == r.ep_rank:
-                held.append(Holding(rank=r.rank, dim=0, start=0, end=rows))
-        holdings[meta.name] = tuple(h for h in held if h.end > h.start)
-    return holdings
+            tp_rank, tp_size = (0, 1) if param.expert is not None else (r.tp_rank, r.tp_size)
+            for name, dim, start, stop in _reads(param, rank=tp_rank, size=tp_size):
+                holdings[name].append(Holding(rank=r.rank, dim=dim, start=start, end=stop))
+    return {name: tuple(h for h in held if h.dim is None or h.end > h.start) for name, held in holdings.items()}
 
 
-def _dense_holding(name: str, rows: int, cols: int, r: TrainerRank, *, vocab_divisor: int) -> Holding:
-    kind = shard_kind(name)
-    t, n = r.tp_rank, r.tp_size
-    if kind is ShardKind.ROW:
-        size = cols // n
-        return Holding(rank=r.rank, dim=1, start=t * size, end=(t + 1) * size)
-    if kind is ShardKind.VOCAB:
-        multiple = vocab_divisor * n
-        size = -(-rows // multiple) * multiple // n
-        return Holding(rank=r.rank, dim=0, start=min(t * size, rows), end=min((t + 1) * size, rows))
-    if kind in (ShardKind.QUERY, ShardKind.KEY_VALUE, ShardKind.COLUMN):
-        size = rows // n
-        return Holding(rank=r.rank, dim=0, start=t * size, end=(t + 1) * size)
-    return Holding(rank=r.rank, dim=0, start=0, end=rows)
+def _reads(param: ShardedParam, *, rank: int, size: int) -> list[tuple[str, int | None, int, int]]:
+    """The HF slices `read_shard` asks for (answered with zeros of their shape)."""
+    reads = []
+
+    def read(name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        reads.append((name, dim, start, stop))
+        shape = list(param.hf_shapes[name])
+        if dim is not None:
+            shape[dim] = stop - start
+        return torch.zeros(shape)
+
+    param.read_shard(read, rank=rank, size=size)
+    return reads
 
 
 def route_direct(
@@ -135,12 +142,14 @@ def route_direct(
             for piece in param.pieces:
                 if piece.length == 0:
                     continue
-                # Held along the engine's split dim: both sides split an HF tensor by the same kind rule.
-                along = [h for h in holdings.get(piece.hf_name, ()) if h.end > h.start and h.dim == piece.dim]
+                # Held whole, or along the engine's split dim (a TP split of either side cuts the same dim).
+                held = holdings.get(piece.hf_name, ())
+                along = [h for h in held if h.dim == piece.dim and h.end > h.start]
+                whole = [h.rank for h in held if h.dim is None]
                 edges = {piece.start, piece.end, *(x for h in along for x in (h.start, h.end))}
                 cuts = sorted(c for c in edges if piece.start <= c <= piece.end)
                 for start, end in zip(cuts, cuts[1:]):
-                    owners = [h.rank for h in along if h.start <= start and end <= h.end]
+                    owners = whole + [h.rank for h in along if h.start <= start and end <= h.end]
                     if not owners:
                         problems.append(
                             f"{piece.hf_name} [{start}, {end}) along dim {piece.dim}: no trainer rank holds it "

@@ -1,45 +1,110 @@
-"""Shard-direct routing without a gather, table-tested: which trainer rank sends which slice to the trainer rank
-feeding each engine rank. Matching TP moves nothing between trainer ranks; trainer TP=2 into engine TP=1 moves
-exactly rank 1's shards; trainer TP=1 (two data-parallel replicas) into engine TP=2 moves nothing; experts of another
-EP rank move whole; every engine slice is routed exactly once and a slice nobody holds is refused, named."""
+"""Shard-direct routing without a gather, table-tested on what the export converters really hold: each trainer
+rank's holdings are the HF slices its converter's `read_shard` reads to build that rank's Megatron shard. Matching TP
+moves nothing between trainer ranks; trainer TP=2 into engine TP=1 moves exactly rank 1's shards; trainer TP=1
+replicas into engine TP=2 move nothing; experts of another EP rank move whole; every engine slice is routed exactly
+once, and a slice no rank holds is refused, named."""
 
 from __future__ import annotations
 
-import dataclasses
+import types
 
 import pytest
-from test_shard_plan import DENSE, SHAPE, moe_layer, tensors_of
+import torch
 
+from miles_sync.export.raw import create_converter
+from miles_sync.weights.engine_layout import TPShape
 from miles_sync.weights.shard_plan import DirectLayout, plan_direct
-from miles_sync.weights.shard_routes import TrainerRank, megatron_holdings, moved_bytes, route_direct
+from miles_sync.weights.shard_routes import ShardedParam, TrainerRank, converter_holdings, moved_bytes, route_direct
 from miles_sync.wire.bucket import TensorMeta
 
 pytestmark = pytest.mark.unit
 
-
-def metas_of(shapes) -> dict[str, TensorMeta]:
-    return {n: TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in tensors_of(shapes).items()}
-
-
-def sharded_bytes(metas, rank_of_block: int, tp: int) -> int:
-    """Bytes of trainer TP rank `rank_of_block`'s block of every TP-split tensor (replicated ones excluded)."""
-    total = 0
-    for name, meta in metas.items():
-        rows = meta.shape[0]
-        cols = meta.numel // rows
-        if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-            total += rows // tp * cols * 2
-        elif any(p in name for p in ("o_proj", "down_proj")) and name.endswith("weight"):
-            total += rows * (cols // tp) * 2
-        elif "embed_tokens" in name or "lm_head" in name:
-            total += (rows - 128) * cols * 2 if rank_of_block == 1 else 128 * cols * 2  # 256 rows / 2, 200 real
-    return total
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, PADDED_VOCAB = 64, 8, 4, 16, 128, 200, 256
+CONFIG = dict(
+    hidden_size=HIDDEN,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    intermediate_size=INTER,
+    vocab_size=VOCAB,
+    num_hidden_layers=2,
+    tie_word_embeddings=False,
+)
+SHAPE = TPShape.from_config(CONFIG)
+QKV_ROWS = KV_HEADS * (HEADS // KV_HEADS + 2) * HEAD_DIM
 
 
-def routes(metas, *, trainer_tp, engine_tp, feeders, ranks=None, shape=SHAPE):
+def dense_layer(i: int, *, arch: str) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(canonical Megatron name, full shape, partition dim) of one decoder layer."""
+    prefix = f"decoder.layers.{i}."
+    params = [
+        (prefix + "input_layernorm.weight", (HIDDEN,), None),
+        (prefix + "self_attention.linear_qkv.weight", (QKV_ROWS, HIDDEN), 0),
+        (prefix + "self_attention.linear_proj.weight", (HIDDEN, HEADS * HEAD_DIM), 1),
+        (prefix + "pre_mlp_layernorm.weight", (HIDDEN,), None),
+    ]
+    if arch == "qwen2":
+        params.append((prefix + "self_attention.linear_qkv.bias", (QKV_ROWS,), 0))
+    if arch == "qwen3":
+        params += [(prefix + f"self_attention.{p}_layernorm.weight", (HEAD_DIM,), None) for p in "qk"]
+    return params
+
+
+def model_params(arch: str, *, num_experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
+    params = [("embedding.word_embeddings.weight", (PADDED_VOCAB, HIDDEN), 0)]
+    for i in range(2):
+        params += dense_layer(i, arch=arch)
+        prefix = f"decoder.layers.{i}.mlp."
+        if not num_experts:
+            params += [
+                (prefix + "linear_fc1.weight", (2 * INTER, HIDDEN), 0),
+                (prefix + "linear_fc2.weight", (HIDDEN, INTER), 1),
+            ]
+            continue
+        params.append((prefix + "router.weight", (num_experts, HIDDEN), None))
+        for e in range(num_experts):
+            params += [
+                (prefix + f"experts.{e}.linear_fc1.weight", (2 * 32, HIDDEN), 0),
+                (prefix + f"experts.{e}.linear_fc2.weight", (HIDDEN, 32), 1),
+            ]
+    return [
+        *params,
+        ("decoder.final_layernorm.weight", (HIDDEN,), None),
+        ("output_layer.weight", (PADDED_VOCAB, HIDDEN), 0),
+    ]
+
+
+def sharded(arch: str, *, num_experts: int = 0) -> tuple[list[ShardedParam], dict[str, TensorMeta]]:
+    """The stage's parameters as the routing sees them, and the HF tensors they export to (float32)."""
+    config = types.SimpleNamespace(model_type=arch, **CONFIG, num_experts=num_experts or None, moe_intermediate_size=32)
+    converter = create_converter(arch, config)
+    params, metas = [], {}
+    for name, shape, partition_dim in model_params(arch, num_experts=num_experts):
+        mapping = converter.map_param(name, shape)
+
+        def read_shard(read, *, rank, size, mapping=mapping, partition_dim=partition_dim):
+            return converter.read_shard(
+                mapping, read, partition_dim=partition_dim, rank=rank, size=size, dtype=torch.float32
+            )
+
+        expert = int(name.split(".experts.")[1].split(".")[0]) if ".experts." in name else None
+        hf_shapes = dict(zip(mapping.hf_names, mapping.hf_shapes))
+        params.append(ShardedParam(hf_shapes=hf_shapes, read_shard=read_shard, expert=expert, num_experts=num_experts))
+        metas.update({n: TensorMeta(name=n, shape=tuple(s), dtype=torch.float32) for n, s in hf_shapes.items()})
+    return params, metas
+
+
+def tp_ranks(tp: int, count: int = 2) -> list[TrainerRank]:
+    return [TrainerRank(rank=r, tp_rank=r % tp, tp_size=tp) for r in range(count)]
+
+
+def routes(arch, *, ranks, engine_tp, feeders, num_experts=0):
+    params, metas = sharded(arch, num_experts=num_experts)
+    shape = TPShape.from_config({**CONFIG, "num_experts": num_experts})
     plan = plan_direct(metas.values(), layout=DirectLayout(shape=shape, tp_size=engine_tp))
-    ranks = ranks or [TrainerRank(rank=r, tp_rank=r % trainer_tp, tp_size=trainer_tp) for r in range(2)]
-    return plan, route_direct(plan, megatron_holdings(metas.values(), ranks=ranks), feeders=feeders)
+    table = route_direct(plan, converter_holdings(params, ranks=ranks), feeders=feeders)
+    assert_every_slice_routed_once(plan, table)
+    return metas, table
 
 
 def assert_every_slice_routed_once(plan, table):
@@ -59,47 +124,54 @@ def assert_every_slice_routed_once(plan, table):
                 assert position == piece.end, (param.name, piece, cuts)
 
 
-def test_matching_tp_moves_nothing_between_trainer_ranks():
-    metas = metas_of(DENSE)
-    plan, table = routes(metas, trainer_tp=2, engine_tp=2, feeders={(0, 0): 0, (0, 1): 1})
-    assert_every_slice_routed_once(plan, table)
-    assert moved_bytes(table, metas) == {}
+def tp_split_bytes(metas: dict[str, TensorMeta], *, half: int) -> int:
+    """float32 bytes of half `half` of every TP-split HF tensor (Megatron's vocab blocks: 128 rows, then 72)."""
+    total = 0
+    for name, meta in metas.items():
+        rows, cols = meta.shape[0], meta.numel // meta.shape[0]
+        if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            total += rows // 2 * cols * 4
+        elif any(p in name for p in ("o_proj", "down_proj")):
+            total += rows * (cols // 2) * 4
+        elif "embed_tokens" in name or "lm_head" in name:
+            total += (128 if half == 0 else VOCAB - 128) * cols * 4
+    return total
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_matching_tp_moves_nothing_between_trainer_ranks(arch):
+    _, table = routes(arch, ranks=tp_ranks(2), engine_tp=2, feeders={(0, 0): 0, (0, 1): 1})
+    assert moved_bytes(table, {}) == {}
     assert all(r.source == r.feeder == r.tp_rank for r in table)
 
 
-def test_trainer_tp2_into_engine_tp1_moves_exactly_the_other_ranks_shards():
-    metas = metas_of(DENSE)
-    plan, table = routes(metas, trainer_tp=2, engine_tp=1, feeders={(0, 0): 0})
-    assert_every_slice_routed_once(plan, table)
-    assert moved_bytes(table, metas) == {(1, 0): sharded_bytes(metas, 1, 2)}
-    # q rows of layer 0: the first half local, the second from rank 1, written after it in the fused qkv_proj
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_trainer_tp2_into_engine_tp1_moves_exactly_the_other_ranks_shards(arch):
+    metas, table = routes(arch, ranks=tp_ranks(2), engine_tp=1, feeders={(0, 0): 0})
+    assert moved_bytes(table, metas) == {(1, 0): tp_split_bytes(metas, half=1)}
+    # Layer 0's q rows: the first half from rank 0 itself, the second from rank 1, right after it in qkv_proj.
     q = [r for r in table if r.hf_name == "model.layers.0.self_attn.q_proj.weight"]
     assert [(r.start, r.end, r.offset, r.source) for r in q] == [(0, 64, 0, 0), (64, 128, 64, 1)]
 
 
 def test_trainer_tp1_replicas_into_engine_tp2_move_nothing():
-    metas = metas_of(DENSE)
-    plan, table = routes(metas, trainer_tp=1, engine_tp=2, feeders={(0, 0): 0, (0, 1): 1})
-    assert_every_slice_routed_once(plan, table)
-    assert moved_bytes(table, metas) == {}
+    _, table = routes("qwen3", ranks=tp_ranks(1), engine_tp=2, feeders={(0, 0): 0, (0, 1): 1})
+    assert moved_bytes(table, {}) == {}
 
 
 def test_experts_of_another_ep_rank_move_whole():
-    shapes = {"model.embed_tokens.weight": (200, 64), **moe_layer("model.layers.0", num_experts=4)}
-    metas = metas_of(shapes)
-    shape = dataclasses.replace(SHAPE, num_experts=4)
     ranks = [TrainerRank(rank=r, tp_rank=0, tp_size=1, ep_rank=r, ep_size=2) for r in range(2)]
-    plan, table = routes(metas, trainer_tp=1, engine_tp=1, feeders={(0, 0): 0}, ranks=ranks, shape=shape)
-    assert_every_slice_routed_once(plan, table)
+    metas, table = routes("qwen3_moe", ranks=ranks, engine_tp=1, feeders={(0, 0): 0}, num_experts=4)
     expert_bytes = sum(m.num_bytes for n, m in metas.items() if ".experts.2." in n or ".experts.3." in n)
     assert moved_bytes(table, metas) == {(1, 0): expert_bytes}
 
 
 def test_a_slice_no_trainer_rank_holds_is_refused_naming_it():
-    metas = metas_of(DENSE)
+    params, metas = sharded("qwen3")
     plan = plan_direct(metas.values(), layout=DirectLayout(shape=SHAPE, tp_size=1))
-    ranks = [TrainerRank(rank=0, tp_rank=0, tp_size=2)]  # rank 1 (the other TP half) is missing
+    holdings = converter_holdings(params, ranks=[TrainerRank(rank=0, tp_rank=0, tp_size=2)])  # rank 1 missing
     with pytest.raises(ValueError) as info:
-        route_direct(plan, megatron_holdings(metas.values(), ranks=ranks), feeders={(0, 0): 0})
+        route_direct(plan, holdings, feeders={(0, 0): 0})
     assert "model.layers.0.self_attn.q_proj.weight [64, 128) along dim 0: no trainer rank holds it" in str(info.value)
     assert "model.layers.0.mlp.down_proj.weight [64, 128) along dim 1: no trainer rank holds it" in str(info.value)
+    assert "lm_head.weight [128, 200) along dim 0: no trainer rank holds it" in str(info.value)
