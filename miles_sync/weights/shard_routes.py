@@ -17,9 +17,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
 
 from miles_sync.weights.shard_plan import DirectPlan, matrix_shape
 from miles_sync.wire.bucket import TensorMeta
@@ -72,23 +69,14 @@ class Route:
         return (self.end - self.start) * per_line * meta.dtype.itemsize
 
 
-class ShardReader(Protocol):
-    """How one trainer rank's Megatron shard of a parameter is read from HF tensors: the export converter's
-    `read_shard` (miles_sync.export.converter.Converter), given a reader of HF slices; the slices it asks for are
-    what that rank holds after converting its shard back (the converter's round trip is bit-exact)."""
-
-    def __call__(
-        self, read: Callable[[str, int | None, int, int], torch.Tensor], *, rank: int, size: int
-    ) -> object: ...
-
-
 @dataclass(frozen=True, kw_only=True)
 class ShardedParam:
-    """One Megatron parameter of a stage: the HF tensors it becomes (`hf_shapes`), how a TP rank's shard reads
-    them (`read_shard`), and, for an expert, its global id and the block's expert count (EP-owned, expert TP 1)."""
+    """One Megatron parameter of a stage: `reads(rank, size)`, the HF slices (name, dim or None for all of it,
+    start, stop) the export converter reads to build TP rank `rank`'s shard of `size`
+    (miles_sync.export.local_pieces.shard_reads), and, for an expert, its global id and the block's expert count
+    (EP-owned, expert TP 1)."""
 
-    hf_shapes: Mapping[str, tuple[int, ...]]
-    read_shard: ShardReader
+    reads: Callable[[int, int], Sequence[tuple[str, int | None, int, int]]]
     expert: int | None = None
     num_experts: int = 0
 
@@ -105,24 +93,9 @@ def converter_holdings(
             if param.expert is not None and param.expert // (param.num_experts // r.ep_size) != r.ep_rank:
                 continue
             tp_rank, tp_size = (0, 1) if param.expert is not None else (r.tp_rank, r.tp_size)
-            for name, dim, start, stop in _reads(param, rank=tp_rank, size=tp_size):
+            for name, dim, start, stop in param.reads(tp_rank, tp_size):
                 holdings[name].append(Holding(rank=r.rank, dim=dim, start=start, end=stop))
     return {name: tuple(h for h in held if h.dim is None or h.end > h.start) for name, held in holdings.items()}
-
-
-def _reads(param: ShardedParam, *, rank: int, size: int) -> list[tuple[str, int | None, int, int]]:
-    """The HF slices `read_shard` asks for (answered with zeros of their shape)."""
-    reads = []
-
-    def read(name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        reads.append((name, dim, start, stop))
-        shape = list(param.hf_shapes[name])
-        if dim is not None:
-            shape[dim] = stop - start
-        return torch.zeros(shape)
-
-    param.read_shard(read, rank=rank, size=size)
-    return reads
 
 
 def route_direct(

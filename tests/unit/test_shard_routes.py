@@ -2,7 +2,8 @@
 rank's holdings are the HF slices its converter's `read_shard` reads to build that rank's Megatron shard. Matching TP
 moves nothing between trainer ranks; trainer TP=2 into engine TP=1 moves exactly rank 1's shards; trainer TP=1
 replicas into engine TP=2 move nothing; experts of another EP rank move whole; every engine slice is routed exactly
-once, and a slice no rank holds is refused, named."""
+once, and a slice no rank holds is refused, named. And each rank converts its own shard, alone, into exactly the HF
+slices it holds (`miles_sync.export.local_pieces`), bit for bit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import types
 import pytest
 import torch
 
+from miles_sync.export.local_pieces import local_pieces, shard_reads
 from miles_sync.export.raw import create_converter
 from miles_sync.weights.engine_layout import TPShape
 from miles_sync.weights.shard_plan import DirectLayout, plan_direct
@@ -82,14 +84,12 @@ def sharded(arch: str, *, num_experts: int = 0) -> tuple[list[ShardedParam], dic
     for name, shape, partition_dim in model_params(arch, num_experts=num_experts):
         mapping = converter.map_param(name, shape)
 
-        def read_shard(read, *, rank, size, mapping=mapping, partition_dim=partition_dim):
-            return converter.read_shard(
-                mapping, read, partition_dim=partition_dim, rank=rank, size=size, dtype=torch.float32
-            )
+        def reads(rank, size, mapping=mapping, partition_dim=partition_dim):
+            return shard_reads(converter, mapping, partition_dim=partition_dim, rank=rank, size=size)
 
         expert = int(name.split(".experts.")[1].split(".")[0]) if ".experts." in name else None
         hf_shapes = dict(zip(mapping.hf_names, mapping.hf_shapes))
-        params.append(ShardedParam(hf_shapes=hf_shapes, read_shard=read_shard, expert=expert, num_experts=num_experts))
+        params.append(ShardedParam(reads=reads, expert=expert, num_experts=num_experts))
         metas.update({n: TensorMeta(name=n, shape=tuple(s), dtype=torch.float32) for n, s in hf_shapes.items()})
     return params, metas
 
@@ -175,3 +175,33 @@ def test_a_slice_no_trainer_rank_holds_is_refused_naming_it():
     assert "model.layers.0.self_attn.q_proj.weight [64, 128) along dim 0: no trainer rank holds it" in str(info.value)
     assert "model.layers.0.mlp.down_proj.weight [64, 128) along dim 1: no trainer rank holds it" in str(info.value)
     assert "lm_head.weight [128, 200) along dim 0: no trainer rank holds it" in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("size", [1, 2])
+def test_each_rank_converts_its_own_shard_into_exactly_the_hf_slices_it_holds(arch, size):
+    """A rank's shard (what the converter reads for it from the full HF tensors, the inverse of the gather's merge)
+    becomes, on that rank alone, pieces equal to those very slices of the HF tensors, bit for bit."""
+    num_experts = 4 if arch == "qwen3_moe" else 0
+    config = types.SimpleNamespace(model_type=arch, **CONFIG, num_experts=num_experts or None, moe_intermediate_size=32)
+    converter = create_converter(arch, config)
+    generator = torch.Generator().manual_seed(0)
+    for name, shape, partition_dim in model_params(arch, num_experts=num_experts):
+        mapping = converter.map_param(name, shape)
+        full = {n: torch.randn(s, generator=generator) for n, s in zip(mapping.hf_names, mapping.hf_shapes)}
+
+        def read(hf_name, dim, start, stop, full=full):
+            tensor = full[hf_name]
+            return tensor if dim is None else tensor.narrow(dim, start, stop - start)
+
+        for rank in range(size):
+            shard = converter.read_shard(
+                mapping, read, partition_dim=partition_dim, rank=rank, size=size, dtype=torch.float32
+            )
+            pieces = local_pieces(converter, mapping, shard, partition_dim=partition_dim, rank=rank, size=size)
+            for p in pieces:
+                expected = full[p.hf_name] if p.dim is None else full[p.hf_name].narrow(p.dim, p.start, p.end - p.start)
+                assert torch.equal(p.tensor, expected), (name, rank, p.hf_name)
+            assert [(p.hf_name, p.dim, p.start, p.end) for p in pieces] == shard_reads(
+                converter, mapping, partition_dim=partition_dim, rank=rank, size=size
+            )
