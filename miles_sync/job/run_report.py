@@ -238,9 +238,13 @@ def read_reward_curve(path: Path) -> list[tuple[int, float]]:
     return points + [(r["round"], r["reward"]) for r in data["rounds"]]
 
 
+# Wide enough for the longest label a sync writes: "yes (engine-exact (sha256), draft unchanged)".
+_VERIFIED_WIDTH = 44
+
+
 def table_header() -> str:
     return (
-        f"{'round':>5} {'version':>7} {'sync_s':>7} {'GB/s':>6} {'pause_s':>7} {'verified':>18} "
+        f"{'round':>5} {'version':>7} {'sync_s':>7} {'GB/s':>6} {'pause_s':>7} {'verified':>{_VERIFIED_WIDTH}} "
         f"{'accept':>6} {'reward':>6} {'lp_diff':>8} {'loss':>8}"
     )
 
@@ -271,18 +275,18 @@ def format_row(row: RoundRecord | BaselineRecord) -> str:
     diff = "-" if row.logprob_diff_max is None else f"{row.logprob_diff_max:.1e}"
     if isinstance(row, BaselineRecord):
         return (
-            f"{0:>5} {row.version:>7} {'-':>7} {'-':>6} {'-':>7} {'-':>18} {accept:>6} {row.reward:>6.3f} "
-            f"{diff:>8} {'-':>8}"
+            f"{0:>5} {row.version:>7} {'-':>7} {'-':>6} {'-':>7} {'-':>{_VERIFIED_WIDTH}} {accept:>6} "
+            f"{row.reward:>6.3f} {diff:>8} {'-':>8}"
         )
     if not row.synced:
         return (
-            f"{row.round:>5} {row.version:>7} {'-':>7} {'-':>6} {'-':>7} {'not synced':>18} {accept:>6} "
+            f"{row.round:>5} {row.version:>7} {'-':>7} {'-':>6} {'-':>7} {'not synced':>{_VERIFIED_WIDTH}} {accept:>6} "
             f"{row.reward:>6.3f} {diff:>8} {row.loss:>8.4f}"
         )
     verified = _verified_cell(row)
     return (
-        f"{row.round:>5} {row.version:>7} {row.sync_s:>7.3f} {row.gbps:>6.3f} {row.pause_s:>7.3f} {verified:>18} "
-        f"{accept:>6} {row.reward:>6.3f} {diff:>8} {row.loss:>8.4f}"
+        f"{row.round:>5} {row.version:>7} {row.sync_s:>7.3f} {row.gbps:>6.3f} {row.pause_s:>7.3f} "
+        f"{verified:>{_VERIFIED_WIDTH}} {accept:>6} {row.reward:>6.3f} {diff:>8} {row.loss:>8.4f}"
     )
 
 
