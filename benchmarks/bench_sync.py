@@ -96,6 +96,7 @@ from _baselines import (  # noqa: E402
     tcp_bytes_received,
     verified_cpu_bound,
 )
+from _fed_sync import bench_fed, print_fed_table  # noqa: E402
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, cpu_seconds, rss_bytes  # noqa: E402
 from _sync_models import (  # noqa: E402
@@ -766,6 +767,18 @@ def topologies(
     return out
 
 
+def fed_topologies(fed: dict) -> dict:
+    """Per fed case, shard_direct over colocated: wall time, and the busiest engine rank's bytes over the model."""
+    out = {}
+    for c in fed["cases"]:
+        if c["transport"] != "shard_direct":
+            continue
+        key = c["case"].replace(" -> ", "_to_").replace(" ", "_")
+        out[f"fed_{key}_shard_direct_vs_colocated_total_s"] = c["total_s_over_colocated"]
+        out[f"fed_{key}_shard_direct_recv_per_rank_over_model"] = c["recv_per_rank_over_model"]
+    return out
+
+
 def tp_topologies(tp_row: dict) -> dict:
     """The TP comparison's side-by-side ratios (`topologies`; time ratios > 1 are slower than the case after
     `_vs_`)."""
@@ -856,6 +869,8 @@ def print_tables(result: dict) -> None:
     for key, value in result["topologies"].items():
         print(f"  {key} = {value:.3f}")
     print_parallel_table(result["parallel"])
+    if result.get("fed") is not None:
+        print_fed_table(result["fed"])
 
 
 def print_tp_table(row: dict) -> None:
@@ -957,6 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tp_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
             row = bench_tp_only(MODELS[sweep_model], args)
+            fed = bench_fed(cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET)
         result = {
             "tp_only": True,
             "repeats": args.repeats,
@@ -964,11 +980,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpu_count": os.cpu_count(),
             "commit": git_commit(),
             "models": [row],
-            "topologies": tp_topologies(row),
+            "fed": fed,
+            "topologies": {**tp_topologies(row), **fed_topologies(fed)},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         print_tp_table(row)
+        print_fed_table(fed)
         print(json.dumps(result["topologies"], indent=2, sort_keys=True))
         print(f"\nwrote {args.json} in {result['wall_s']:.0f} s")
         return 0
@@ -978,6 +996,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         parallel = bench_parallel(
             quick=args.quick, cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET
+        )
+        fed = (
+            None
+            if args.parallel_only
+            else bench_fed(cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET)
         )
     fp8 = lora = guard = None
     if not args.parallel_only:
@@ -1004,7 +1027,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fp8": fp8,
         "lora": lora,
         "draft_guard": guard,
-        "topologies": topologies(rows, parallel, fp8, lora, guard),
+        "fed": fed,
+        "topologies": {**topologies(rows, parallel, fp8, lora, guard), **({} if fed is None else fed_topologies(fed))},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
