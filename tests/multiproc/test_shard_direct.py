@@ -61,7 +61,7 @@ def fleet(reference_checkpoints, tmp_path_factory):
         ]
 
 
-def controller(urls, source, *, selector_inputs: SelectorInputs = FROZEN_DRAFT) -> SyncController:
+def controller(urls, source, *, selector_inputs: SelectorInputs = FROZEN_DRAFT, staged: bool = False) -> SyncController:
     return SyncController(
         engine_urls=urls,
         source=source,
@@ -69,6 +69,7 @@ def controller(urls, source, *, selector_inputs: SelectorInputs = FROZEN_DRAFT) 
         selector_inputs=selector_inputs,
         pause_mode=PauseMode.RETRACT,
         verify=True,
+        staged=staged,
         timeouts=TIMEOUTS,
         show_progress=False,
     )
@@ -158,6 +159,18 @@ def test_each_rank_receives_its_own_parameters_and_the_sync_verifies_engine_exac
     outputs = [generate(server, PROMPT, max_new_tokens=12)[1] for server in fleet]
     assert {o["meta_info"]["weight_version"] for o in outputs} == {reports[-1].version}
     assert outputs[0]["output_ids"] == outputs[1]["output_ids"]
+
+
+def test_a_staged_export_is_replayed_through_the_shard_plan(fleet, source):
+    """sync.staged: the buckets packed (and the layouts' digests predicted) before the pause go through the same
+    plan inside it; verified engine-exact per rank."""
+    urls = [server.url for server in fleet]
+    asyncio.run(source.call("configure", settings()))
+    source.stage_results.clear()
+    (report,) = sync_steps(urls, source, (5,), staged=True)
+    assert report.committed and report.phases.stage_s > 0, report.error
+    assert [e.verification for e in report.engines] == ["engine-exact (sha256)"] * 2, report.engines
+    assert [r.engine_layouts for r in source.stage_results] == [2]  # the TP=2 and the TP=1 layout, ahead
 
 
 def test_a_trained_draft_is_refused_before_anything_is_sent(fleet, source):
