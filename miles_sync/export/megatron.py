@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from miles_sync.env import read_environment
 from miles_sync.export.converter import Converter
+from miles_sync.export.local_pieces import LocalPiece, local_pieces
 from miles_sync.export.stage import (
     ParallelCoords,
     ParamPlan,
@@ -82,6 +83,34 @@ def iter_hf_units(
     with torch.no_grad():
         for plan in plans:
             yield ExportedUnit(meta=plan.meta, tensors=gather.unit(plan))
+
+
+def iter_local_pieces(
+    model: torch.nn.Module | Sequence[torch.nn.Module], *, converter: Converter
+) -> Iterator[tuple[AtomicUnit, list[LocalPiece]]]:
+    """This rank's own share of every unit of its stage, with no collective: each parameter's local Megatron shard
+    converted into the HF slices it holds (miles_sync.export.local_pieces), in unit order. A dense parameter's
+    pieces come from its TP coordinates, an expert's from its expert-TP coordinates on the EP rank that owns it;
+    other EP ranks yield no pieces for that unit. Views of the parameters where the conversion makes them."""
+    chunks = model_chunks(model)
+    coords = ParallelCoords.from_parallel_state()
+    plans = plan_units(collect_local_params(chunks), converter=converter, coords=coords, dtype=None)
+    params = {(i, name): p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+    with torch.no_grad():
+        for plan in plans:
+            if plan.owner_ep_rank is not None and plan.owner_ep_rank != coords.ep_rank:
+                yield plan.meta, []
+                continue
+            rank, size = (
+                (coords.tp_rank, coords.tp_size) if plan.owner_ep_rank is None else (coords.etp_rank, coords.etp_size)
+            )
+            pieces = []
+            for member in plan.params:
+                local = params[(member.param.chunk, member.param.local_name)].detach()
+                pieces += local_pieces(
+                    converter, member.mapping, local, partition_dim=member.param.partition_dim, rank=rank, size=size
+                )
+            yield plan.meta, pieces
 
 
 class _Groups:

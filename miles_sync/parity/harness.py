@@ -7,7 +7,8 @@ files in `workdir/case{i}/`:
 - `export.rank{r}.pt`: {HF name: tensor} exported by stage source rank r;
 - `logits.pt`: {"input_ids", "logits"} from the last stage (vocabulary padding trimmed);
 - `roundtrip.rank{r}.pt`: the export after importing the first export back (when `round_trip`);
-- `everywhere.rank{r}.pt`: what every rank received exporting with `source_rank_only=False` (when `everywhere`).
+- `everywhere.rank{r}.pt`: what every rank received exporting with `source_rank_only=False` (when `everywhere`);
+- `local.rank{r}.pt`: every rank's own pieces, [(HF name, dim, start, end, tensor)] (when `local`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class ParityCase:
     checkpoint_dir: str | None = None  # import this HF checkpoint instead of keeping megatron's random init
     round_trip: bool = False  # also import the export back into a fresh model and export again
     everywhere: bool = False  # also export with source_rank_only=False (every rank saves what it received)
+    local: bool = (
+        False  # also save each rank's own pieces, converted with no gather (export.megatron.iter_local_pieces)
+    )
     dtype: str = "float32"  # megatron parameter dtype; "bfloat16" also exports every tensor as bfloat16
 
     @property
@@ -248,6 +252,15 @@ def _run_case(case: ParityCase, case_dir: Path, *, timeout_s: float) -> None:
         if case.everywhere:
             received = _export(case, model, converter, hf_config=hf_config, timeout_s=timeout_s, everywhere=True)
             torch.save(received, case_dir / f"everywhere.rank{rank}.pt")
+        if case.local:
+            from miles_sync.export.megatron import iter_local_pieces
+
+            pieces = [
+                (p.hf_name, p.dim, p.start, p.end, p.tensor.clone())
+                for _, unit_pieces in iter_local_pieces(model, converter=converter)
+                for p in unit_pieces
+            ]
+            torch.save(pieces, case_dir / f"local.rank{rank}.pt")
         input_ids = torch.randint(0, case.vocab_size, (2, 12), generator=torch.Generator().manual_seed(case.seed))
         logits = megatron_logits(model, input_ids, timeout_s=timeout_s)
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:

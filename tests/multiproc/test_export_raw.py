@@ -24,8 +24,12 @@ DENSE = ("llama", "qwen2", "qwen3")
 ALL_ARCHS = (*DENSE, "qwen3_moe")
 
 EXPORT_CASES = [
-    *(ParityCase(arch=arch, tp=tp, pp=pp, everywhere=tp == 2) for arch in DENSE for tp, pp in ((1, 1), (2, 1), (1, 2))),
-    ParityCase(arch="qwen3_moe", ep=2, everywhere=True),
+    *(
+        ParityCase(arch=arch, tp=tp, pp=pp, everywhere=tp == 2, local=tp == 2)
+        for arch in DENSE
+        for tp, pp in ((1, 1), (2, 1), (1, 2))
+    ),
+    ParityCase(arch="qwen3_moe", ep=2, everywhere=True, local=True),
     ParityCase(arch="qwen3_moe", tp=2),
     ParityCase(arch="qwen3", pp=2, tie_word_embeddings=True, round_trip=True),
     ParityCase(arch="qwen2", tp=2, tie_word_embeddings=True),
@@ -95,6 +99,30 @@ def test_export_matches_transformers(results, case: ParityCase) -> None:
     if case.tie_word_embeddings:
         names.discard("lm_head.weight")
     assert set(exported) == names
+
+
+@pytest.mark.parametrize("case", [c for c in EXPORT_CASES if c.local], ids=_label)
+def test_each_rank_converts_its_own_shards_into_slices_of_the_gathered_export(results, case: ParityCase) -> None:
+    """No gather: every rank's own pieces (its TP shard, or its EP rank's experts, converted alone) are bit-exact
+    slices of what the gathered export holds, and together they cover every exported tensor."""
+    _, case_dir = results[_label(case)]
+    exported = merge_exports(case_dir, "export")
+    covered: dict[str, set[tuple[int | None, int, int]]] = {}
+    for path in sorted(case_dir.glob("local.rank*.pt")):
+        for name, dim, start, end, tensor in torch.load(path):
+            expected = exported[name] if dim is None else exported[name].narrow(dim, start, end - start)
+            assert torch.equal(tensor, expected), (path.name, name, dim, start, end)
+            covered.setdefault(name, set()).add((dim, start, end))
+    assert covered.keys() == exported.keys()
+    for name, spans in covered.items():
+        if (None, 0, 0) in spans:
+            continue
+        (dim,) = {d for d, _, _ in spans}
+        position = 0
+        for start, end in sorted((s, e) for _, s, e in spans):
+            assert start == position, (name, sorted(spans))
+            position = end
+        assert position == exported[name].shape[dim], (name, sorted(spans))
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
