@@ -5,11 +5,13 @@ each fleet with 2 reference engines of its model (frozen MTP draft, AITER layout
 - the RL step runs on all four ranks (megatron-core's pipeline schedule over gloo) and every rank reports the
   same loss;
 - each stage's source rank exports only its own layers, through an update group of its own (distributed) or its
-  own posts (colocated); both syncs commit, verified on both engines, and the engines serve the new version;
+  own posts (colocated, shard_direct); every sync commits, verified on both engines, and the engines serve the new
+  version;
 - a stage whose source rank dies mid-sync fails the sync within the timeouts, nothing is committed, and after the
   trainer group is restarted the next sync commits, verified;
 - the MoE group trains with its experts split over two EP ranks, and its source rank sends every expert (its own
-  and those gathered from the other EP rank), verified on both transports.
+  and those gathered from the other EP rank), verified on every transport (shard_direct: as stacked FusedMoE
+  parameters).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def test_the_rl_step_runs_on_every_rank_of_the_pipeline(fleet):
     assert [info.pp_rank for info in fleet.trainers.ranks] == [0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED])
+@pytest.mark.parametrize("transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED, TransportKind.SHARD_DIRECT])
 def test_each_stage_sends_its_own_layers_and_the_sync_verifies(fleet, transport):
     fleet.trainers.train_step(BATCH, timeout_s=RAY_TIMEOUT_S)
     names = [
@@ -205,7 +207,7 @@ def test_a_stage_source_dying_mid_sync_commits_nothing_and_a_restarted_group_syn
     assert len({target_checksum(u) for u in urls}) == 1
 
 
-@pytest.mark.parametrize("transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED])
+@pytest.mark.parametrize("transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED, TransportKind.SHARD_DIRECT])
 def test_expert_parallel_moe_trains_and_its_source_sends_every_expert(moe_fleet, transport):
     steps = moe_fleet.trainers.train_step(BATCH, timeout_s=RAY_TIMEOUT_S)
     assert len({(s.loss, s.mean_token_nll) for s in steps}) == 1, steps
