@@ -51,6 +51,7 @@ INTENTIONAL = {
     ("*", "$.miles_sync_checksum_names"): "reference-only: names what its checker answers (HF or engine names)",
     ("*", "$.weight_layout"): "reference-only: the post-processing it applies after a load (ServerInfo reads it)",
     ("*", "$.miles_sync_tensor_hash"): "reference-only: how its checker hashes (SGLang's follows its device)",
+    ("*", "$.miles_sync_received_bytes"): "reference-only: tensor bytes each TP rank took in (benchmarks read it)",
     ("*", "$.draft_kind"): "reference-only diagnostics",
     ("*", "$.finalize_policy"): "reference-only diagnostics",
     ("get_server_info", "$.weight_block_size"): "reference-only: the FP8 block a sync must send (ServerInfo reads it)",
