@@ -237,6 +237,26 @@ def checksums(server: ServerProcess, selector: str = "all") -> dict[str, str]:
     return rank["checksums"]
 
 
+@contextlib.contextmanager
+def tp_fleet(
+    *, model: Path, log_dir: Path, tp_sizes: Sequence[int], extra_args: Sequence[str] = (), **options: Any
+) -> Iterator[list[ServerProcess]]:
+    """One `reference_server` per TP size of `tp_sizes`, in that order (each `--tp-size`, a 15 s collective
+    timeout, then `extra_args`; `options` go to every server); all stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                reference_server(
+                    model=model,
+                    log_dir=log_dir,
+                    extra_args=["--tp-size", str(tp), "--collective-timeout-s", "15", *extra_args],
+                    **options,
+                )
+            )
+            for tp in tp_sizes
+        ]
+
+
 def generate(
     server: ServerProcess, input_ids: Sequence[int], *, max_new_tokens: int = 4, timeout_s: float = 120.0
 ) -> tuple[int, Any]:

@@ -7,11 +7,10 @@ named, each with the parameters that differ; one sync later they pass again, and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 
 import pytest
-from reference_server import reference_server
+from reference_server import tp_fleet
 from sender_host import SenderSettings
 
 from miles_sync.export.registry import ConversionMode
@@ -27,20 +26,14 @@ FROZEN_DRAFT = SelectorInputs(
 
 @pytest.fixture(scope="module")
 def engines(reference_checkpoints, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("fleet-check")
-    with contextlib.ExitStack() as stack:
-        yield [
-            stack.enter_context(
-                reference_server(
-                    model=reference_checkpoints / "target",
-                    log_dir=log_dir,
-                    draft_kind="mtp",
-                    weight_layout="aiter",
-                    extra_args=["--tp-size", str(tp), "--collective-timeout-s", "15"],
-                )
-            )
-            for tp in (1, 2)
-        ]
+    with tp_fleet(
+        model=reference_checkpoints / "target",
+        log_dir=tmp_path_factory.mktemp("fleet-check"),
+        tp_sizes=(1, 2),
+        draft_kind="mtp",
+        weight_layout="aiter",
+    ) as engines:
+        yield engines
 
 
 def test_the_check_passes_engines_holding_the_trainers_weights_and_names_the_others(engines, source):

@@ -7,11 +7,10 @@ corrupted on one rank is named by rank, role and parameter."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import pytest
-from reference_server import checkpoint_tensors, reference_server
+from reference_server import checkpoint_tensors, tp_fleet
 from sender_host import SenderSettings, load_checkpoint, weights_at_step
 
 from miles_sync.engine.client import EngineClient
@@ -35,21 +34,16 @@ FROZEN_DRAFT = SelectorInputs(
 @pytest.fixture(scope="module")
 def engines(reference_checkpoints, tmp_path_factory):
     """[TP=1, TP=2] reference engines answering SGLang's GPU tensor hash over engine parameters."""
-    log_dir = tmp_path_factory.mktemp("gpu-hash-engines")
-    with contextlib.ExitStack() as stack:
-        yield [
-            stack.enter_context(
-                reference_server(
-                    model=reference_checkpoints / "target",
-                    log_dir=log_dir,
-                    draft_kind="mtp",
-                    weight_layout="aiter",
-                    checksum_names="engine",
-                    extra_args=["--tensor-hash", "gpu-hash", "--tp-size", str(tp), "--collective-timeout-s", "15"],
-                )
-            )
-            for tp in (1, 2)
-        ]
+    with tp_fleet(
+        model=reference_checkpoints / "target",
+        log_dir=tmp_path_factory.mktemp("gpu-hash-engines"),
+        tp_sizes=(1, 2),
+        extra_args=["--tensor-hash", "gpu-hash"],
+        draft_kind="mtp",
+        weight_layout="aiter",
+        checksum_names="engine",
+    ) as engines:
+        yield engines
 
 
 def expected_answers(weights, *, config, tp_size: int, kind: TensorHash) -> tuple[dict[str, str], ...]:

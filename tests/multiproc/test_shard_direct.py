@@ -9,11 +9,10 @@ sessions select the target only), the AITER layout, SGLang's finalize policy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import torch
-from reference_server import generate, reference_server
+from reference_server import generate, tp_fleet
 from sender_host import SenderSettings, load_checkpoint, weights_at_step
 
 from miles_sync.engine.client import EngineClient
@@ -43,22 +42,16 @@ PROMPT = [3, 32, 177]
 @pytest.fixture(scope="module")
 def fleet(reference_checkpoints, tmp_path_factory):
     """[TP=2, TP=1] engines in the AITER layout with a frozen MTP draft, started once for the module."""
-    log_dir = tmp_path_factory.mktemp("shard-direct")
-    with contextlib.ExitStack() as stack:
-        yield [
-            stack.enter_context(
-                reference_server(
-                    model=reference_checkpoints / "target",
-                    log_dir=log_dir,
-                    draft_kind="mtp",
-                    weight_layout="aiter",
-                    finalize_policy="sglang",
-                    checksum_names="engine",
-                    extra_args=["--tp-size", str(tp), "--collective-timeout-s", "15"],
-                )
-            )
-            for tp in (2, 1)
-        ]
+    with tp_fleet(
+        model=reference_checkpoints / "target",
+        log_dir=tmp_path_factory.mktemp("shard-direct"),
+        tp_sizes=(2, 1),
+        draft_kind="mtp",
+        weight_layout="aiter",
+        finalize_policy="sglang",
+        checksum_names="engine",
+    ) as engines:
+        yield engines
 
 
 def controller(urls, source, *, selector_inputs: SelectorInputs = FROZEN_DRAFT, staged: bool = False) -> SyncController:
