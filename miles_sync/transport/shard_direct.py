@@ -30,8 +30,8 @@ from miles_sync.transport.base import RankSetup
 from miles_sync.transport.colocated import Collectives, ColocatedRank, ReceiveBuffer, open_fed_rank
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint
-from miles_sync.weights.shard_plan import DirectLayout, DirectPlan, build_param, param_offsets, plan_direct
-from miles_sync.wire.bucket import FlattenedBucket, TensorMeta, unpack_bucket
+from miles_sync.weights.shard_plan import DirectLayout, DirectPlan, build_param, plan_direct
+from miles_sync.wire.bucket import BucketEntry, FlattenedBucket, TensorMeta, bucket_layout, unpack_bucket
 from miles_sync.wire.payload import encode_named_tensors
 from miles_sync.wire.protocol import LoadFormat
 from miles_sync.wire.text import raise_if
@@ -42,23 +42,14 @@ Key = tuple[int, int]  # (engine layout index, TP rank): engines of one layout s
 
 
 @dataclass(frozen=True, kw_only=True)
-class DirectEntry:
-    """One parameter in a rank's buffer: its engine name, local shape and dtype, and where its bytes start."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-
-
-@dataclass(frozen=True, kw_only=True)
 class RankContents:
-    """What one (engine layout, TP rank) buffer of a bucket holds."""
+    """What one (engine layout, TP rank) buffer of a bucket holds: its engine parameters, laid out as a flattened
+    bucket is (`bucket_layout`: aligned order, back to back)."""
 
     layout: int
     tp_rank: int
     num_bytes: int
-    entries: tuple[DirectEntry, ...]
+    entries: tuple[BucketEntry, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +91,11 @@ class DirectDelivery:
         self._parts = [plan.parts() for plan in self._plans]
         self._params = [[{p.name: p for p in params} for params in plan.ranks] for plan in self._plans]
         self._pending: dict[str, torch.Tensor] = {}  # parts of parameters not complete yet (copies)
-        num_keys = len({k for keys in self._keys_of.values() for k in keys})
-        self._builders = ThreadPoolExecutor(max_workers=max(1, num_keys), thread_name_prefix="miles-sync-build")
+        # Every buffer the source builds, and its builders: only the source builds, one thread per buffer (`prepare`).
+        self._keys = tuple(sorted({k for keys in self._keys_of.values() for k in keys}))
+        self._builders: ThreadPoolExecutor | None = None
+        if self._plans:
+            self._builders = ThreadPoolExecutor(max_workers=len(self._keys), thread_name_prefix="miles-sync-build")
         self._done: list[set[str]] = [set() for _ in self._plans]
 
     def keys_fed_by(self, rank: int) -> tuple[Key, ...]:
@@ -117,12 +111,13 @@ class DirectDelivery:
             [n for n, parts in self._parts[i].items() if n not in self._done[i] and all(p in available for p in parts)]
             for i in range(len(self._plans))
         ]
-        keys = sorted({k for keys in self._keys_of.values() for k in keys})
+        if self._builders is None:
+            raise AssertionError("only the export source prepares buckets")
         # Each (layout, rank) buffer is built on a thread of its own (torch's copies release the GIL): the engine
         # ranks wait for these bytes, so their cores are free while the source builds.
-        built = list(self._builders.map(lambda key: self._build(key, ready[key[0]], available), keys))
+        built = list(self._builders.map(lambda key: self._build(key, ready[key[0]], available), self._keys))
         contents = [rank for rank, _ in built]
-        local = {key: buffer for key, (_, buffer) in zip(keys, built)}
+        local = {key: buffer for key, (_, buffer) in zip(self._keys, built)}
         for i, names in enumerate(ready):
             self._done[i].update(names)
         self._keep_pending(tensors)
@@ -156,9 +151,7 @@ class DirectDelivery:
             if rank is None or not rank.entries:
                 payloads.append(None)
                 continue
-            buffer = local[key]
-            named = [(e.name, _view(buffer, e)) for e in rank.entries]
-            payloads.append(encode_named_tensors(named))
+            payloads.append(encode_named_tensors(unpack_bucket(local[key], rank.entries)))
         return payloads
 
     def end_send(self) -> str | None:
@@ -176,7 +169,8 @@ class DirectDelivery:
         )
 
     def close(self) -> None:
-        self._builders.shutdown(wait=False)
+        if self._builders is not None:
+            self._builders.shutdown(wait=False)
 
     def reset(self) -> None:
         self._pending.clear()
@@ -190,16 +184,13 @@ class DirectDelivery:
     ) -> tuple[RankContents, torch.Tensor]:
         """The parameters `names` of one (layout, rank) key, built into its buffer from the `available` tensors."""
         layout, tp_rank = key
-        params = [self._params[layout][tp_rank][name] for name in names]
-        offsets = param_offsets(params)
-        num_bytes = 0 if not params else offsets[-1] + params[-1].num_bytes
+        params = {name: self._params[layout][tp_rank][name] for name in names}
+        entries = bucket_layout([p.meta for p in params.values()])
+        num_bytes = entries[-1].end if entries else 0
         buffer = self._buffer(key).take(num_bytes)
         weight_layout = self._plans[layout].layout.weight_layout
-        for param, offset in zip(params, offsets):
-            build_param(param, available, out=buffer[offset:], weight_layout=weight_layout)
-        entries = tuple(
-            DirectEntry(name=p.name, shape=p.shape, dtype=p.dtype, offset=o) for p, o in zip(params, offsets)
-        )
+        for e in entries:
+            build_param(params[e.name], available, out=buffer[e.start : e.end], weight_layout=weight_layout)
         return RankContents(layout=layout, tp_rank=tp_rank, num_bytes=num_bytes, entries=entries), buffer
 
     def _buffer(self, key: Key) -> ReceiveBuffer:
@@ -228,13 +219,6 @@ class DirectDelivery:
 def _has_bytes(contents: DirectContents, key: Key) -> bool:
     rank = contents.of(key)
     return rank is not None and rank.num_bytes > 0
-
-
-def _view(buffer: torch.Tensor, entry: DirectEntry) -> torch.Tensor:
-    num_bytes = entry.dtype.itemsize
-    for d in entry.shape:
-        num_bytes *= d
-    return buffer[entry.offset : entry.offset + num_bytes].view(entry.dtype).view(entry.shape)
 
 
 async def open_shard_direct_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> ColocatedRank:

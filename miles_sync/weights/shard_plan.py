@@ -37,13 +37,12 @@ from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.text import raise_if
 
-__all__ = ["DirectLayout", "DirectPlan", "build_param", "is_target_layer", "param_offsets", "plan_direct"]
+__all__ = ["DirectLayout", "DirectPlan", "build_param", "is_target_layer", "plan_direct"]
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT_PART = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 # HF tensors that only exist in the engine as part of a fused parameter.
 _FUSED_KINDS = (ShardKind.QUERY, ShardKind.KEY_VALUE, ShardKind.COLUMN)
-_ALIGN = 64  # bytes: every parameter of a rank's buffer starts on a cache line (and any dtype's alignment)
 
 
 def is_target_layer(name: str, *, num_target_layers: int | None) -> bool:
@@ -99,7 +98,11 @@ class DirectParam:
 
     @property
     def num_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return self.meta.num_bytes
+
+    @property
+    def meta(self) -> TensorMeta:
+        return TensorMeta(name=self.name, shape=self.shape, dtype=self.dtype)
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -108,8 +111,8 @@ class DirectParam:
 
 @dataclass(frozen=True, kw_only=True)
 class DirectPlan:
-    """Every TP rank's target parameters for one engine layout (`ranks[r]`, in engine-name order) and which
-    parameters each HF tensor feeds. Replayed every sync; recomputed only when the layout or the export changes."""
+    """Every TP rank's target parameters for one engine layout (`ranks[r]`, in engine-name order). Replayed every
+    sync; recomputed only when the layout or the export changes."""
 
     layout: DirectLayout
     ranks: tuple[tuple[DirectParam, ...], ...]
@@ -292,18 +295,3 @@ def build_param(
     if param.is_post_processed:
         result.copy_(layout_spec(weight_layout).apply(result))
     return result
-
-
-def rank_buffer_bytes(params: Sequence[DirectParam]) -> int:
-    """Bytes of one buffer holding `params` back to back, each starting aligned (`param_offsets`)."""
-    offsets = param_offsets(params)
-    return 0 if not params else offsets[-1] + params[-1].num_bytes
-
-
-def param_offsets(params: Sequence[DirectParam]) -> list[int]:
-    """Where each of `params` starts in a rank's buffer: back to back, each aligned to 64 bytes."""
-    offsets, position = [], 0
-    for param in params:
-        offsets.append(position)
-        position += -(-param.num_bytes // _ALIGN) * _ALIGN
-    return offsets

@@ -22,6 +22,7 @@ __all__ = [
     "BucketEntry",
     "FlattenedBucket",
     "TensorMeta",
+    "bucket_layout",
     "layout_from_metadata",
     "pack_bucket",
     "unpack_bucket",
@@ -105,6 +106,12 @@ def aligned_order(metas: Sequence[TensorMeta]) -> list[TensorMeta]:
     return sorted(metas, key=lambda m: -m.dtype.itemsize)
 
 
+def bucket_layout(metas: Sequence[TensorMeta]) -> tuple[BucketEntry, ...]:
+    """Where `metas` go in one flattened buffer: in aligned order (`aligned_order`), back to back, no padding; the
+    entries `pack_bucket` writes and `unpack_bucket` reads."""
+    return _entries_in_order(aligned_order(metas))
+
+
 def _entries_in_order(metas: Sequence[TensorMeta]) -> tuple[BucketEntry, ...]:
     entries = []
     offset = 0
@@ -157,7 +164,7 @@ def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], *, out: torch.Tensor 
         _dtype_name(t.dtype)  # rejects dtypes the receiver cannot decode, before any byte moves
     tensors = dict(named)
     metas = [TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in named]
-    entries = _entries_in_order(aligned_order(metas))
+    entries = bucket_layout(metas)
     total = entries[-1].end if entries else 0
     if out is None:
         device = named[0][1].device if named else torch.device("cpu")

@@ -21,7 +21,7 @@ from miles_sync.transport.colocated import (
 )
 from miles_sync.transport.feeds import Device, EngineFeed, FeedPlan, FeedRole, plan_feeds
 from miles_sync.transport.membership import EngineEndpoint
-from miles_sync.transport.shard_direct import DirectContents, DirectEntry, RankContents
+from miles_sync.transport.shard_direct import DirectContents, RankContents
 from miles_sync.weights.engine_layout import TPShape
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.weights.shard_plan import DirectLayout
@@ -185,8 +185,8 @@ def test_disaggregated_placement_is_refused_for_the_colocated_transport():
                 RankContents(
                     layout=0,
                     tp_rank=1,
-                    num_bytes=64 + 8,
-                    entries=(DirectEntry(name="w", shape=(2,), dtype=torch.float32, offset=64),),
+                    num_bytes=8,
+                    entries=(BucketEntry(name="w", shape=(2,), dtype=torch.float32, start=0, end=8),),
                 ),
             )
         ),

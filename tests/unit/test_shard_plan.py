@@ -15,9 +15,7 @@ from miles_sync.weights.shard_plan import (
     DirectLayout,
     build_param,
     coverage_problems,
-    param_offsets,
     plan_direct,
-    rank_buffer_bytes,
 )
 from miles_sync.wire.bucket import TensorMeta
 
@@ -83,17 +81,19 @@ def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
 
 
 def built(plan, tensors) -> list[dict[str, torch.Tensor]]:
-    """Every rank's parameters as `build_param` writes them into one buffer per rank."""
-    result = []
-    for params in plan.ranks:
-        buffer = torch.empty(rank_buffer_bytes(params), dtype=torch.uint8)
-        rank = {}
-        for param, offset in zip(params, param_offsets(params)):
-            rank[param.name] = build_param(
-                param, tensors, out=buffer[offset:], weight_layout=plan.layout.weight_layout
-            ).clone()
-        result.append(rank)
-    return result
+    """Every rank's parameters as `build_param` writes them, each into a buffer of its own."""
+    return [
+        {
+            param.name: build_param(
+                param,
+                tensors,
+                out=torch.empty(param.num_bytes, dtype=torch.uint8),
+                weight_layout=plan.layout.weight_layout,
+            )
+            for param in params
+        }
+        for params in plan.ranks
+    ]
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
