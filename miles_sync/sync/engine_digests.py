@@ -236,22 +236,9 @@ async def read_direct_layouts(engines: Sequence[EngineAPI]) -> dict[str, DirectL
     """Every engine's target parameter layout (from what it reported at connect and its config.json), for a
     transport that sends the engines' own parameters. Raises ValueError naming each engine whose layout is not
     modeled, and why."""
-    paths = sorted({e.info.model_path for e in engines if e.info is not None and e.info.model_path})
-    configs = dict(zip(paths, await asyncio.gather(*(asyncio.to_thread(read_model_config, p) for p in paths))))
-    layouts, problems = {}, []
-    for engine in engines:
-        if engine.info is None:
-            problems.append(f"{engine.url}: its server info was never read")
-            continue
-        config = configs.get(engine.info.model_path) if engine.info.model_path else None
-        try:
-            layout = engine_layout(info=engine.info, config=config, draft=None, selector=Selector.TARGET)
-        except ValueError as exc:
-            problems.append(f"{engine.url}: {exc}")
-        else:
-            layouts[engine.url] = layout.direct_layout
-    raise_if(problems, what="the engines' own parameter layouts are unknown")
-    return layouts
+    by_url, fallbacks = await _model_layouts(engines, drafts=[None] * len(engines), selector=Selector.TARGET)
+    raise_if([f"{url}: {why}" for url, why in fallbacks.items()], what="the engines' own parameter layouts are unknown")
+    return {url: layout.direct_layout for url, layout in by_url.items()}
 
 
 async def plan_engine_digests(engines: Sequence[EngineAPI], *, selector: Selector, timeout_s: float) -> FleetLayouts:
@@ -270,11 +257,21 @@ async def plan_engine_digests(engines: Sequence[EngineAPI], *, selector: Selecto
             return exc
 
     drafts = await asyncio.gather(*(draft_of(e) for e in candidates))
-    paths = sorted({e.info.model_path for e in candidates if e.info is not None and e.info.model_path})
+    by_url, fallbacks = await _model_layouts(candidates, drafts=drafts, selector=selector)
+    plan = EngineDigestPlan(layouts=tuple(dict.fromkeys(by_url.values())))
+    return FleetLayouts(plan=plan, by_url=by_url, fallbacks=fallbacks)
+
+
+async def _model_layouts(
+    engines: Sequence[EngineAPI], *, drafts: Sequence[DraftReport | None | BaseException], selector: Selector
+) -> tuple[dict[str, EngineLayout], dict[str, str]]:
+    """({url: layout} of the engines whose layout is modeled, {url: why not} of the others), in engine order, from
+    each one's server info, its config.json (read once per model path) and its draft report."""
+    paths = sorted({e.info.model_path for e in engines if e.info is not None and e.info.model_path})
     configs = dict(zip(paths, await asyncio.gather(*(asyncio.to_thread(read_model_config, p) for p in paths))))
     by_url: dict[str, EngineLayout] = {}
     fallbacks: dict[str, str] = {}
-    for engine, draft in zip(candidates, drafts):
+    for engine, draft in zip(engines, drafts):
         if engine.info is None:
             fallbacks[engine.url] = "its server info was never read"
             continue
@@ -286,8 +283,7 @@ async def plan_engine_digests(engines: Sequence[EngineAPI], *, selector: Selecto
             by_url[engine.url] = engine_layout(info=engine.info, config=config, draft=draft, selector=selector)
         except ValueError as exc:
             fallbacks[engine.url] = str(exc)
-    plan = EngineDigestPlan(layouts=tuple(dict.fromkeys(by_url.values())))
-    return FleetLayouts(plan=plan, by_url=by_url, fallbacks=fallbacks)
+    return by_url, fallbacks
 
 
 # ---- source side ----------------------------------------------------------------------------------------------
