@@ -37,7 +37,7 @@ from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.transport.base import TransportKind
 from miles_sync.wire.protocol import PauseMode
 
-__all__ = ["FED_MODEL", "bench_fed", "print_fed_table"]
+__all__ = ["FED_MODEL", "bench_fed", "print_fed_table", "received_bytes"]
 
 MIB = 2**20
 HOST = "127.0.0.1"

@@ -96,7 +96,7 @@ from _baselines import (  # noqa: E402
     tcp_bytes_received,
     verified_cpu_bound,
 )
-from _fed_sync import bench_fed, print_fed_table  # noqa: E402
+from _fed_sync import bench_fed, print_fed_table, received_bytes  # noqa: E402
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, cpu_seconds, rss_bytes  # noqa: E402
 from _sync_models import (  # noqa: E402
@@ -369,8 +369,7 @@ class EngineFleet:
     def received_bytes(self, index: int) -> list[int]:
         """Per TP rank of engine `index`, the bytes of tensor data it took in since it started, as the engine itself
         counts them (broadcasts received, payload tensors mapped)."""
-        with urllib.request.urlopen(f"{self.launchers[index].url}/get_server_info", timeout=CALL_TIMEOUT_S) as response:
-            return [int(n) for n in json.load(response)["miles_sync_received_bytes"]]
+        return received_bytes([self.launchers[index].url])
 
     def rank_pids(self, index: int) -> list[int]:
         """The processes holding engine `index`'s weights: its TP rank processes, or at TP=1 the engine itself."""
