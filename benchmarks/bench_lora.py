@@ -32,6 +32,7 @@ from miles_sync.engine.settings import LoraSettings
 from miles_sync.env import read_environment
 from miles_sync.sync.adapter import AdapterPayload, encode_adapter
 from miles_sync.sync.report import SyncReport
+from miles_sync.sync.weight_source import WeightSource
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -55,9 +56,11 @@ def random_adapter(tensors: dict[str, torch.Tensor], *, rank: int, seed: int) ->
     return adapter
 
 
-class AdapterSource:
+class AdapterSource(WeightSource):
     """The controller's view of a trainer exporting an adapter: a fresh random adapter per sync (as a step would
     produce), kept alive until the controller releases it."""
+
+    syncs_adapters = True
 
     def __init__(self, tensors: dict[str, torch.Tensor], *, rank: int) -> None:
         self._tensors = tensors
