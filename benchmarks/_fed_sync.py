@@ -13,14 +13,14 @@ Colocated hands every feeding rank the whole bucket (a gloo broadcast from the s
 all of it; shard_direct sends each feeding rank only its engine ranks' own parameters (point to point) and each
 engine rank maps only those. Each case: `repeats` rounds alternating colocated and shard_direct (A, B, A, B, ...),
 so drift hits both, each a fresh controller whose first sync (transport set-up, first touch of buffers) is not
-counted and whose second is; times are medians with their [min-max]; bytes per engine rank are what each rank
-counted itself taking in during the counted sync (`miles_sync_received_bytes`).
+counted and the median of the `syncs` after it is; every figure is computed per round (the ratio from the round's
+own pair) and reported as its median over the rounds, times with their [min-max]; bytes per engine rank are what
+each rank counted itself taking in per counted sync (`miles_sync_received_bytes`).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 import urllib.request
@@ -29,6 +29,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from _repeat import median_of
 from _sync_models import MODELS, checkpoint_dir
 
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
@@ -65,28 +66,36 @@ def log(message: str) -> None:
     print(f"[fed_sync {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def bench_fed(*, cache: Path, log_dir: Path, repeats: int, bucket_bytes: int, model: str = FED_MODEL) -> dict:
+def bench_fed(
+    *, cache: Path, log_dir: Path, repeats: int, bucket_bytes: int, syncs: int = 1, model: str = FED_MODEL
+) -> dict:
     """Every FedCase on a connected Ray cluster, one placed fleet at a time; the JSON section `fed`."""
     model_dir = checkpoint_dir(MODELS[model], cache)
     model_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
-    rows = [
-        row
-        for case in FED_CASES
-        for row in bench_case(
+    per_case = [
+        bench_case(
             case,
             model_dir=model_dir,
             log_dir=log_dir,
             repeats=repeats,
+            syncs=syncs,
             bucket_bytes=bucket_bytes,
             model_bytes=model_bytes,
         )
+        for case in FED_CASES
     ]
-    return {"model": model, "model_bytes": model_bytes, "repeats": repeats, "cases": rows}
+    section = {"model": model, "model_bytes": model_bytes, "repeats": repeats}
+    return section | {
+        "cases": [row for rows, _ in per_case for row in rows],
+        # per round, every case's rows of that round (what a figure's spread is taken over)
+        "repetitions": [{"cases": [row for _, reps in per_case for row in reps[i]]} for i in range(repeats)],
+    }
 
 
 def bench_case(
-    case: FedCase, *, model_dir: Path, log_dir: Path, repeats: int, bucket_bytes: int, model_bytes: int
-) -> list[dict]:
+    case: FedCase, *, model_dir: Path, log_dir: Path, repeats: int, syncs: int, bucket_bytes: int, model_bytes: int
+) -> tuple[list[dict], list[list[dict]]]:
+    """One case's rows (medians over the rounds) and each round's rows."""
     import ray
 
     from actors.controller import create_controller
@@ -121,7 +130,8 @@ def bench_case(
         reports = {t: [] for t in TRANSPORTS}
         received = {t: [] for t in TRANSPORTS}
         # One controller at a time (each opens its own transport on the trainer ranks), alternating transports so
-        # that drift hits both; its first sync sets the transport up and touches every buffer, the second counts.
+        # that drift hits both; its first sync sets the transport up and touches every buffer, the median of the
+        # `syncs` after it counts.
         for _ in range(repeats):
             for transport in TRANSPORTS:
                 controller = create_controller(
@@ -143,24 +153,36 @@ def bench_case(
                 try:
                     sync_once(controller)
                     before = received_bytes(engines.urls)
-                    reports[transport].append(sync_once(controller))
-                    received[transport].append([a - b for a, b in zip(received_bytes(engines.urls), before)])
+                    counted = sorted((sync_once(controller) for _ in range(syncs)), key=lambda r: r.total_s)
+                    reports[transport].append(counted[len(counted) // 2])
+                    after = received_bytes(engines.urls)
+                    received[transport].append([(a - b) // syncs for a, b in zip(after, before)])
                 finally:
                     ray.get(controller.close.remote(), timeout=CALL_TIMEOUT_S)
                     ray.kill(controller)
+    reps = [fed_rows(case, reports, received, i, model_bytes=model_bytes) for i in range(repeats)]
+    rows = median_of(reps)
+    for row, transport in zip(rows, TRANSPORTS):  # every repetition's times beside their medians
+        row["total_s_each"] = [r.total_s for r in reports[transport]]
+        row["send_s_each"] = [r.phases.send_s for r in reports[transport]]
+    direct = rows[1]
+    direct["total_s_over_colocated_each"] = [rep[1]["total_s_over_colocated"] for rep in reps]
+    log(f"  {case.name}: shard_direct / colocated total {direct['total_s_over_colocated']:.2f}")
+    return rows, reps
+
+
+def fed_rows(case: FedCase, reports: dict, received: dict, i: int, *, model_bytes: int) -> list[dict]:
+    """Repetition `i`'s row per transport; shard_direct's with its ratios over colocated's of the same
+    repetition."""
     rows = []
     for transport in TRANSPORTS:
-        totals = [r.total_s for r in reports[transport]]
-        sends = [r.phases.send_s for r in reports[transport]]
-        per_rank = received[transport][-1]
+        report, per_rank = reports[transport][i], received[transport][i]
         rows.append(
             {
                 "case": case.name,
                 "transport": transport.value,
-                "total_s": statistics.median(totals),
-                "total_s_each": totals,
-                "send_s": statistics.median(sends),
-                "send_s_each": sends,
+                "total_s": report.total_s,
+                "send_s": report.phases.send_s,
                 "bytes_per_engine_rank": per_rank,
                 "recv_per_rank_over_model": max(per_rank) / model_bytes,
             }
@@ -168,7 +190,6 @@ def bench_case(
     colocated, direct = rows
     direct["total_s_over_colocated"] = direct["total_s"] / colocated["total_s"]
     direct["send_s_over_colocated"] = direct["send_s"] / colocated["send_s"]
-    log(f"  {case.name}: shard_direct / colocated total {direct['total_s_over_colocated']:.2f}")
     return rows
 
 

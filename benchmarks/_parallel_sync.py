@@ -2,9 +2,10 @@
 
 Real trainer actors (`actors.trainer.create_trainers`: megatron-core on CPU, gloo, the model loaded from the
 checkpoint) sync through the controller actor into 2 reference engines (TP=1, no draft, no weight layout) over the
-distributed transport. Each case starts its own trainer group (the previous one shut down first, to fit memory)
-against the same engines, runs one warm-up sync (group set-up, first touch of buffers) and reports, verify on and
-verify off, each phase time and the total as its own median over `repeats` measured syncs:
+distributed transport. Every case's trainer group is up at once against the same engines; each (case, verify)
+series (a controller, one warm-up sync for group set-up and first touch of buffers, then `repeats` measured syncs,
+each phase time and the total its own median) runs once per repetition, the cases alternating (benchmarks/_repeat.py),
+and each figure is the median over the repetitions:
 
   pipeline: a dense Qwen3 by trainer tp=1 pp=2 (two stage sources, two update groups, stage 1 packs ahead
       while stage 0 sends; `miles_sync.sync.pipeline`) against tp=1 pp=1 (the same model, one source);
@@ -40,9 +41,11 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from _repeat import alternate, median_of
 from _sync_models import MODELS, MOE_MODELS, ModelSpec, MoeModelSpec, checkpoint_dir
 
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
@@ -88,29 +91,46 @@ def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
-def bench_parallel(*, quick: bool, cache: Path, log_dir: Path, repeats: int, bucket_bytes: int) -> dict:
-    """Both comparisons on a connected Ray cluster; the JSON section `parallel`. Starts and stops its own engines
-    and trainer groups, one trainer group at a time."""
+def bench_parallel(
+    *, quick: bool, cache: Path, log_dir: Path, repeats: int, repetitions: int, bucket_bytes: int
+) -> dict:
+    """Both comparisons on a connected Ray cluster; the JSON section `parallel`: each figure the median over
+    `repetitions` alternating repetitions (`repetitions` keeps each one's section). Starts and stops its own engines
+    and trainer groups."""
     dense_name, moe_name = PARALLEL_MODELS["quick" if quick else "full"]
-    settings = dict(repeats=repeats, bucket_bytes=bucket_bytes, log_dir=log_dir)
+    settings = dict(repeats=repeats, repetitions=repetitions, bucket_bytes=bucket_bytes, log_dir=log_dir)
     pipeline = compare(MODELS[dense_name], PIPELINE_CASES, cache=cache, **settings)
     experts = compare(MOE_MODELS[moe_name], EXPERT_CASES, cache=cache, **settings)
-    experts["gathered_bytes"] = gathered_expert_bytes(experts["model_dir"], ep_size=2)
-    experts["gather"] = []
+    gathered = gathered_expert_bytes(experts[0]["model_dir"], ep_size=2)
+    sections = [
+        {
+            "engines": NUM_ENGINES,
+            "transport": "distributed",
+            "pipeline": p,
+            "experts": e | {"gathered_bytes": gathered, "gather": expert_gather(e, gathered_bytes=gathered)},
+        }
+        for p, e in zip(pipeline, experts)
+    ]
+    return median_of(sections) | {"repetitions": sections}
+
+
+def expert_gather(experts: dict, *, gathered_bytes: int) -> list[dict]:
+    """The expert gather's cost per verify setting: EP=2's export time over EP=1's."""
+    out = []
     for verify in (True, False):
         ep1, ep2 = (
             next(r for r in experts["cases"] if (r["case"], r["verify"]) == (n, verify)) for n in ("ep1", "ep2")
         )
         gather_s = ep2["export_s"] - ep1["export_s"]
-        experts["gather"].append(
+        out.append(
             {
                 "verify": verify,
                 "gather_s": gather_s,
-                "gather_gbps": gbps(experts["gathered_bytes"], gather_s),
+                "gather_gbps": gbps(gathered_bytes, gather_s),
                 "share_of_ep2_total": gather_s / ep2["total_s"],
             }
         )
-    return {"engines": NUM_ENGINES, "transport": "distributed", "pipeline": pipeline, "experts": experts}
+    return out
 
 
 def compare(
@@ -119,46 +139,53 @@ def compare(
     *,
     cache: Path,
     repeats: int,
+    repetitions: int,
     bucket_bytes: int,
     log_dir: Path,
-) -> dict:
-    """`cases` in order against one engine fleet; each case's rows carry ratios over the first case's (same
+) -> list[dict]:
+    """`cases` against one engine fleet, every trainer group up at once, each (case, verify) series once per
+    repetition in the same order (alternating); per repetition, the rows with ratios over the first case's (same
     verify setting)."""
     from actors.rollout import create_engines
     from actors.trainer import create_trainers
 
     model_dir = checkpoint_dir(spec, cache)
     arch = "qwen3_moe" if isinstance(spec, MoeModelSpec) else "qwen3"
-    log(f"{spec.name}: starting {NUM_ENGINES} engines")
+    log(f"{spec.name}: starting {NUM_ENGINES} engines and the trainers of {', '.join(c.name for c in cases)}")
     engine_spec = ReferenceEngineSpec(model_dir=str(model_dir))
-    engines = create_engines(specs=[engine_spec] * NUM_ENGINES, log_dir=log_dir, timeout_s=CALL_TIMEOUT_S)
-    rows = []
-    try:
+    with ExitStack() as stack:
+        engines = create_engines(specs=[engine_spec] * NUM_ENGINES, log_dir=log_dir, timeout_s=CALL_TIMEOUT_S)
+        stack.callback(engines.shutdown)
+        groups = {}
         for case in cases:
-            log(f"{spec.name}: {case.name} ({layout_name(case.trainer)}) starting trainers")
-            trainers = create_trainers(trainer=case.trainer, checkpoint_dir=str(model_dir), timeout_s=CALL_TIMEOUT_S)
-            try:
-                num_sources = sum(info.is_source for info in trainers.ranks)
-                for verify in (True, False):
-                    reports = measure(
-                        trainers.actors,
-                        engines.urls,
-                        arch=arch,
-                        verify=verify,
-                        repeats=repeats,
-                        bucket_bytes=bucket_bytes,
-                    )
-                    log(f"  {case.name} verify={verify}: {reports[-1].summary()}")
-                    rows.append(case_row(reports, case=case, verify=verify, num_sources=num_sources))
-            finally:
-                trainers.shutdown()
-    finally:
-        engines.shutdown()
-    for row in rows:
-        base = next(r for r in rows if r["case"] == cases[0].name and r["verify"] == row["verify"])
-        row["send_gbps_ratio"] = row["send_gbps"] / base["send_gbps"]
-        row["total_gbps_ratio"] = row["total_gbps"] / base["total_gbps"]
-    return {"model": spec.name, "model_dir": str(model_dir), "cases": rows}
+            groups[case.name] = create_trainers(
+                trainer=case.trainer, checkpoint_dir=str(model_dir), timeout_s=CALL_TIMEOUT_S
+            )
+            stack.callback(groups[case.name].shutdown)
+
+        def series(case: Case, verify: bool) -> dict:
+            trainers = groups[case.name]
+            reports = measure(
+                trainers.actors, engines.urls, arch=arch, verify=verify, repeats=repeats, bucket_bytes=bucket_bytes
+            )
+            num_sources = sum(info.is_source for info in trainers.ranks)
+            return case_row(reports, case=case, verify=verify, num_sources=num_sources)
+
+        keys = [(case, verify) for case in cases for verify in (True, False)]
+        runs = alternate(
+            [(f"{c.name} verify={v}", lambda c=c, v=v: series(c, v)) for c, v in keys],
+            repetitions=repetitions,
+            log=log,
+        )
+    out = []
+    for i in range(repetitions):
+        rows = [dict(runs[f"{c.name} verify={v}"][i]) for c, v in keys]
+        for row in rows:
+            base = next(r for r in rows if r["case"] == cases[0].name and r["verify"] == row["verify"])
+            row["send_gbps_ratio"] = row["send_gbps"] / base["send_gbps"]
+            row["total_gbps_ratio"] = row["total_gbps"] / base["total_gbps"]
+        out.append({"model": spec.name, "model_dir": str(model_dir), "cases": rows})
+    return out
 
 
 def measure(

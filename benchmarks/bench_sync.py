@@ -1,7 +1,7 @@
 """Sync throughput, scaling and overheads, side by side against baselines and this machine's ceiling, in one run.
 
-    python benchmarks/bench_sync.py [--quick] [--parallel-only] [--tp-only] [--json PATH] [--png PATH]
-        [--cache DIR] [--repeats N] [--models NAMES]
+    python benchmarks/bench_sync.py [--quick] [--parallel-only] [--tp-only] [--models-only] [--json PATH]
+        [--png PATH] [--cache DIR] [--repetitions N] [--repeats N] [--models NAMES] [--compare COMMIT]
 
 Every figure is a ratio of things measured in the same run (the machine is shared and noisy). Per model (Qwen3
 shapes from ~20M to ~500M parameters, `--quick`: up to ~100M; see _sync_models.py), against reference engines
@@ -13,7 +13,8 @@ started from the same checkpoint:
   (c) Ray object store at its best: one `ray.put` of the state dict as numpy arrays, `ray.get` (zero-copy) in one
       actor per engine, copied into preallocated tensors;
   (d) ceiling: one gloo broadcast of a single contiguous buffer of the same bytes among the same number of
-      processes (sender + engines) on this host;
+      processes (sender + engines) on this host, the fastest of 5 (as memcpy and SHA-256, the costs bounds are
+      built from: the best this machine does, which holds from run to run);
   colocated: miles_sync's shared-memory path vs a pickled copy through a pipe into another process vs one memcpy,
       into one TP=1 engine (one pack and one load: the two-copy bound the colocated target is set against, the shape
       of a colocated deployment, where each engine's GPUs hold the trainer ranks that feed it) and into both engines
@@ -36,8 +37,18 @@ colocated and shard_direct, verify off, with the bytes each engine rank took in 
 the TCP bytes its sockets received, read from the kernel's tcp_info with `ss`) and the CPU seconds the sender and the
 engine's processes used per sync (`shard_direct_vs_colocated_tp2_cpu_s` beside the wall-time ratio: what the cores
 allow when both are CPU-bound).
-Each measured sync is the median of `--repeats` syncs after one warm-up sync (group set-up excluded). Phase times
-come from the SyncReport the controller returns.
+
+How each figure is taken (benchmarks/_repeat.py): every case of a comparison runs once per repetition, in the same
+order (A, B, ..., A, B, ...; `--repetitions`, default and least 3), each run a series of its own: a fresh controller,
+one warm-up sync that is not measured (group set-up, first touch of buffers), then `--repeats` measured syncs whose
+median is the series' figure (default 3 below 256 MiB, 1 above). Every figure is computed per repetition (a ratio
+from its two cases of the same repetition) and reported as the median over the repetitions; `spread` in the JSON
+keeps each headline figure's median, min, max and every repetition's value, the printout says `median [min-max]`,
+a figure whose max/min exceeds 1.2 is listed in `unstable`, and `caveats` says why a figure cannot be read as what it
+names (unstable; the CPU bound saturated at 1.0 because the model is too small for the cores to bound its send; the
+largest model fitting one bucket, so the send is not pipelined). Phase times come from the SyncReport the
+controller returns. `--compare COMMIT` runs this script from a checkout of COMMIT and from this one, alternating,
+and prints each key's ratio (benchmarks/bench_compare.py).
 
 Parallel trainer layouts (_parallel_sync.py; `--parallel-only` runs just these): real trainer actors (megatron-core
 on CPU) and the controller actor against 2 reference engines, distributed, verify on and off. A dense Qwen3 synced
@@ -45,13 +56,13 @@ by tp=1 pp=2 (one source and update group per stage) against pp=1, and a synthet
 (experts gathered to the source) against ep=1: GB/s on send and on total, export s, the ratio to the baseline, and
 the expert gather's cost (EP=2 export - EP=1 export).
 
-Top-level JSON keys (from the largest model unless said): ratio_vs_ceiling (and ratio_vs_ceiling_cpu_bound),
-end_to_end_gbps, speedup_vs_per_tensor
-(model with the most tensors), colocated_vs_memcpy (one TP=1 engine; colocated_vs_memcpy_tp2 into one TP=2 engine,
-from the TP comparison; colocated_vs_memcpy_two_engines), pause_fraction (and pause_fraction_hf_digests),
-peak_extra_mem_over_bucket; then the tables
-(the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray versions and
-the core count.
+Top-level JSON keys (medians over the repetitions; from the largest model unless said): ratio_vs_ceiling (and
+ratio_vs_ceiling_cpu_bound), end_to_end_gbps, speedup_vs_per_tensor (model with the most tensors),
+colocated_vs_memcpy (one TP=1 engine; colocated_vs_memcpy_tp2 into one TP=2 engine, from the TP comparison;
+colocated_vs_memcpy_two_engines), pause_fraction (and pause_fraction_hf_digests), peak_extra_mem_over_bucket; then
+the tables (the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray
+versions and the core count; `spread`, `unstable`, `caveats` and `repetitions` (above); per model, `spread` and
+every repetition's row (`repetitions`).
 
 FP8 vs BF16 (bench_fp8.py's comparison, on the run's smallest model, 128x128 blocks): bytes on the wire, sync wall
 and the source's quantization time as a share of it. LoRA vs full (bench_lora.py's comparison, same model, rank 16
@@ -72,6 +83,7 @@ import argparse
 import asyncio
 import ctypes
 import json
+import math
 import os
 import platform
 import subprocess
@@ -99,6 +111,7 @@ from _baselines import (  # noqa: E402
 from _fed_sync import bench_fed, print_fed_table, received_bytes  # noqa: E402
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, cpu_seconds, rss_bytes  # noqa: E402
+from _repeat import MIN_REPETITIONS, UNSTABLE_SPREAD, Spread, alternate, median_of, spreads_of  # noqa: E402
 from _sync_models import (  # noqa: E402
     CALL_TIMEOUT_S,
     FULL_MODELS,
@@ -428,6 +441,8 @@ def tp_case_row(
 
 
 def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
+    """Every case of one model in `args.repetitions` alternating repetitions (_repeat.py); the row holds each
+    figure's median over them, `spread` the headline figures' spreads and `repetitions` every repetition's row."""
     model_dir = checkpoint_dir(spec, args.cache)
     tensors = read_safetensors(model_dir / "model.safetensors")
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -445,7 +460,8 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
         "bytes": num_bytes,
         "largest_unit_bytes": largest_unit,
     }
-    r = args.repeats
+    r, reps = args.repeats or series_syncs(num_bytes), args.repetitions
+    row["syncs_per_series"] = r
     with ExitStack() as stack:
         fleet = EngineFleet(stack, model_dir, count=num_engines, log_dir=args.log_dir)
         urls = fleet.urls(ENGINES)
@@ -477,31 +493,32 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
                 cpu_pids=cpu_pids,
             )
 
-        log(f"{spec.name}: (a) miles_sync distributed")
-        verified_measured = ours("distributed", verify=True, sample=True)
-        verified = verified_measured.report
-        unverified = ours("distributed", verify=False).report
-        log(f"  {verified.summary()}")
-        log(f"{spec.name}: (b) per-tensor baseline")
-        per_tensor = run_syncs(
-            urls, PerTensorSource(tensors), transport="distributed", verify=False, repeats=max(1, r // 2)
-        ).report
-        log(f"  {per_tensor.summary()}")
-        log(f"{spec.name}: (c) Ray object store, (d) ceiling")
-        ray_s = ray_object_store_seconds(tensors, num_engines=ENGINES, repeats=r)
-        ceiling = ceiling_broadcast(num_bytes, world_size=ENGINES + 1, repeats=r)
-        ceiling_s = ceiling.seconds
-        log(f"{spec.name}: colocated, pickled copy, memcpy")
-        colocated_measured = ours("colocated", verify=False, engine_urls=urls[:1], cpu_pids=pids[:2])
-        colocated = colocated_measured.report
-        colocated_two_engines = ours("colocated", verify=False).report
-        colocated_staged = ours("colocated", verify=False, staged=True).report
-        colocated_verified = ours("colocated", verify=True).report
-        pickled_s = pickled_copy_seconds(tensors, repeats=r)
-        memcpy_s = memcpy_seconds(tensors, repeats=r)
-        sha256_s = sha256_seconds(tensors, repeats=r)
-        staged_measured = ours("distributed", verify=True, staged=True)
-        staged = staged_measured.report
+        log(f"{spec.name}: (a)-(d), colocated, pickled copy, memcpy; {reps} alternating repetitions")
+        core = alternate(
+            [
+                ("(a) distributed, verified", lambda: ours("distributed", verify=True, sample=True)),
+                ("(a) distributed, unverified", lambda: ours("distributed", verify=False)),
+                (
+                    "(b) per-tensor",
+                    lambda: run_syncs(urls, PerTensorSource(tensors), transport="distributed", verify=False, repeats=r),
+                ),
+                ("(c) Ray object store", lambda: ray_object_store_seconds(tensors, num_engines=ENGINES, repeats=r)),
+                ("(d) ceiling", lambda: ceiling_broadcast(num_bytes, world_size=ENGINES + 1, repeats=r)),
+                (
+                    "colocated, one engine",
+                    lambda: ours("colocated", verify=False, engine_urls=urls[:1], cpu_pids=pids[:2]),
+                ),
+                ("colocated, two engines", lambda: ours("colocated", verify=False)),
+                ("colocated, staged", lambda: ours("colocated", verify=False, staged=True)),
+                ("colocated, verified", lambda: ours("colocated", verify=True)),
+                ("pickled copy", lambda: pickled_copy_seconds(tensors, repeats=r)),
+                ("memcpy", lambda: memcpy_seconds(tensors, repeats=r)),
+                ("sha256", lambda: sha256_seconds(tensors, repeats=r)),
+                ("distributed, staged, verified", lambda: ours("distributed", verify=True, staged=True)),
+            ],
+            repetitions=reps,
+            log=log,
+        )
         # The pause fraction as the sync-speed target defines it: verified on the digests SGLang's checker answers
         # (engine parameters), the same two TP=1 engines otherwise; the layout digests predicted ahead of the
         # pause (stage() takes the plan), and in it for comparison.
@@ -510,135 +527,203 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             stack, model_dir, count=ENGINES, log_dir=args.log_dir, checksum_names=ChecksumNames.ENGINE
         )
         named_pids = [os.getpid(), *sglang_named.pids]
-        engine_digest_cases = {
-            key: digest_case(
-                ours(
-                    "distributed",
-                    verify=True,
-                    staged=True,
-                    engine_urls=sglang_named.urls(),
-                    cpu_pids=named_pids,
-                    digests_in_pause=in_pause,
-                )
+
+        def digests(in_pause: bool) -> dict:
+            m = ours(
+                "distributed",
+                verify=True,
+                staged=True,
+                engine_urls=sglang_named.urls(),
+                cpu_pids=named_pids,
+                digests_in_pause=in_pause,
             )
-            for key, in_pause in (("engine_digests_in_pause", True), ("engine_digests_staged", False))
-        }
-        sglang_named.stop()  # its memory is the sweeps' from here on
-        row.update(
-            ours_send_gbps=gbps(num_bytes, verified.phases.send_s),
-            ours_end_to_end_gbps=gbps(num_bytes, verified.total_s),
-            ours_total_s=verified.total_s,
-            ours_unverified_total_s=unverified.total_s,
-            ours_buckets=verified.num_buckets,
-            phases=vars(verified.phases) | {"total_s": verified.total_s},
-            per_tensor_total_s=per_tensor.total_s,
-            per_tensor_send_gbps=gbps(num_bytes, per_tensor.phases.send_s),
-            speedup_vs_per_tensor=per_tensor.total_s / unverified.total_s,
-            ray_gbps=gbps(num_bytes, ray_s),
-            ceiling_gbps=gbps(num_bytes, ceiling_s),
-            ratio_vs_ceiling=gbps(num_bytes, verified.phases.send_s) / gbps(num_bytes, ceiling_s),
-            # What bounds ratio_vs_ceiling on this machine's cores: the ceiling's CPU time (all its processes), one
-            # memcpy per engine and the sender's SHA-256, each measured here.
-            ceiling_cpu_s=ceiling.cpu_s,
-            sha256_gbps=gbps(num_bytes, sha256_s),
-            ratio_vs_ceiling_cpu_bound=verified_cpu_bound(
-                ceiling=ceiling, memcpy_s=memcpy_s, sha256_s=sha256_s, engines=ENGINES, cores=os.cpu_count() or 1
-            ),
-            colocated_send_gbps=gbps(num_bytes, colocated.phases.send_s),
-            pickled_copy_gbps=gbps(num_bytes, pickled_s),
-            memcpy_gbps=gbps(num_bytes, memcpy_s),
-            colocated_vs_memcpy=gbps(num_bytes, colocated.phases.send_s) / gbps(num_bytes, memcpy_s),
-            colocated_two_engines_send_gbps=gbps(num_bytes, colocated_two_engines.phases.send_s),
-            colocated_two_engines_vs_memcpy=(
-                gbps(num_bytes, colocated_two_engines.phases.send_s) / gbps(num_bytes, memcpy_s)
-            ),
-            # Staged: packing and hashing ran before the pause, the send phase is the engines' loading only.
-            colocated_verified_send_gbps=gbps(num_bytes, colocated_verified.phases.send_s),
-            colocated_staged_send_gbps=gbps(num_bytes, colocated_staged.phases.send_s),
-            staged_send_gbps=gbps(num_bytes, staged.phases.send_s),
-            pause_fraction_unstaged=pause_window_s(verified) / verified.total_s,
-            pause_fraction_staged=pause_window_s(staged) / staged.total_s,
-            staged_phases=vars(staged.phases) | {"total_s": staged.total_s},
-            staged_extra_bytes=num_bytes,  # stage() holds every packed bucket until the send
-            # Share of the machine's cores the sender and engines kept busy over each series (run_syncs).
-            cpu_busy_verified=verified_measured.cpu_busy,
-            cpu_busy_staged=staged_measured.cpu_busy,
-            cpu_busy_colocated=colocated_measured.cpu_busy,
-            **engine_digest_cases,
+            return digest_case(m)
+
+        digest_cases = alternate(
+            [("engine_digests_in_pause", lambda: digests(True)), ("engine_digests_staged", lambda: digests(False))],
+            repetitions=reps,
+            log=log,
         )
+        sglang_named.stop()  # its memory is the sweeps' from here on
+        rows = [
+            row
+            | core_row({name: runs[i] for name, runs in core.items()}, num_bytes=num_bytes)
+            | {name: runs[i] for name, runs in digest_cases.items()}
+            for i in range(reps)
+        ]
         if is_sweep_model:
-            row["bucket_sweep"] = []
-            for bucket_mib in args.bucket_sweep:
-                log(f"{spec.name}: bucket {bucket_mib} MiB")
-                m = ours("distributed", verify=True, bucket=bucket_mib * MIB, sample=True)
-                row["bucket_sweep"].append(
-                    {
-                        "bucket_mib": bucket_mib,
-                        "buckets": m.report.num_buckets,
-                        "send_gbps": gbps(num_bytes, m.report.phases.send_s),
-                        "total_s": m.report.total_s,
-                        "sender_peak_extra_mib": m.sender_peak_bytes / MIB,
-                        "engine_peak_extra_mib": m.engine_peak_bytes / MIB,
-                        "sender_extra_over_bucket": m.sender_peak_bytes / (bucket_mib * MIB),
-                        "engine_extra_over_bucket": m.engine_peak_bytes / (bucket_mib * MIB),
-                    }
-                )
-            row["engine_sweep"] = []
-            for count in range(1, num_engines + 1):
-                log(f"{spec.name}: {count} engine(s)")
-                report = ours("distributed", verify=True, engine_urls=fleet.urls(count)).report
-                row["engine_sweep"].append(
-                    {
-                        "engines": count,
-                        "send_gbps": gbps(num_bytes, report.phases.send_s),
-                        "aggregate_send_gbps": count * gbps(num_bytes, report.phases.send_s),
-                        "total_s": report.total_s,
-                        "phases": vars(report.phases),
-                    }
-                )
-            row["tp_cases"] = tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)
+            for i, sweeps in enumerate(sweep_rows(spec, args, fleet=fleet, ours=ours, num_bytes=num_bytes)):
+                rows[i].update(sweeps)
+            for i, cases in enumerate(tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)):
+                rows[i]["tp_cases"] = cases
     tensors = None  # release the model before the next one loads (closures above still name it)
+    row.update(median_of(rows))
+    row["spread"] = {k: s.to_json() for k, s in spreads_of(rows).items()}
+    row["repetitions"] = rows
     return row
 
 
-def tp_cases(spec: ModelSpec, args, *, stack: ExitStack, model_dir: Path, fleet: EngineFleet, ours) -> list[dict]:
-    """The TP comparison: one TP=1 engine (`fleet`'s first) against one TP=2 engine started here, side by side per
-    transport; `ours(transport, **options)` runs one measured series."""
+def series_syncs(num_bytes: int) -> int:
+    """Measured syncs per series (their median is the series' figure) when --repeats is not given: 3 below
+    256 MiB, where one sync takes a fraction of a second and a stray scheduling hiccup is a large share of it; 1
+    above, where syncs take seconds and the repetitions alone keep the run's length in bounds."""
+    return 3 if num_bytes < 256 * MIB else 1
+
+
+def core_row(runs: dict, *, num_bytes: int) -> dict:
+    """One repetition's figures from its core cases (`bench_model`'s names)."""
+    verified_measured = runs["(a) distributed, verified"]
+    verified = verified_measured.report
+    unverified = runs["(a) distributed, unverified"].report
+    per_tensor = runs["(b) per-tensor"].report
+    ceiling = runs["(d) ceiling"]
+    colocated_measured = runs["colocated, one engine"]
+    colocated = colocated_measured.report
+    colocated_two_engines = runs["colocated, two engines"].report
+    colocated_staged = runs["colocated, staged"].report
+    colocated_verified = runs["colocated, verified"].report
+    memcpy_s, sha256_s = runs["memcpy"], runs["sha256"]
+    staged_measured = runs["distributed, staged, verified"]
+    staged = staged_measured.report
+    return dict(
+        ours_send_gbps=gbps(num_bytes, verified.phases.send_s),
+        ours_end_to_end_gbps=gbps(num_bytes, verified.total_s),
+        ours_total_s=verified.total_s,
+        ours_unverified_total_s=unverified.total_s,
+        ours_buckets=verified.num_buckets,
+        phases=vars(verified.phases) | {"total_s": verified.total_s},
+        per_tensor_total_s=per_tensor.total_s,
+        per_tensor_send_gbps=gbps(num_bytes, per_tensor.phases.send_s),
+        speedup_vs_per_tensor=per_tensor.total_s / unverified.total_s,
+        ray_gbps=gbps(num_bytes, runs["(c) Ray object store"]),
+        ceiling_gbps=gbps(num_bytes, ceiling.seconds),
+        ratio_vs_ceiling=gbps(num_bytes, verified.phases.send_s) / gbps(num_bytes, ceiling.seconds),
+        # What bounds ratio_vs_ceiling on this machine's cores: the ceiling's CPU time (all its processes), one
+        # memcpy per engine and the sender's SHA-256, each measured here.
+        ceiling_cpu_s=ceiling.cpu_s,
+        sha256_gbps=gbps(num_bytes, sha256_s),
+        ratio_vs_ceiling_cpu_bound=verified_cpu_bound(
+            ceiling=ceiling, memcpy_s=memcpy_s, sha256_s=sha256_s, engines=ENGINES, cores=os.cpu_count() or 1
+        ),
+        colocated_send_gbps=gbps(num_bytes, colocated.phases.send_s),
+        pickled_copy_gbps=gbps(num_bytes, runs["pickled copy"]),
+        memcpy_gbps=gbps(num_bytes, memcpy_s),
+        colocated_vs_memcpy=gbps(num_bytes, colocated.phases.send_s) / gbps(num_bytes, memcpy_s),
+        colocated_two_engines_send_gbps=gbps(num_bytes, colocated_two_engines.phases.send_s),
+        colocated_two_engines_vs_memcpy=gbps(num_bytes, colocated_two_engines.phases.send_s)
+        / gbps(num_bytes, memcpy_s),
+        # Staged: packing and hashing ran before the pause, the send phase is the engines' loading only.
+        colocated_verified_send_gbps=gbps(num_bytes, colocated_verified.phases.send_s),
+        colocated_staged_send_gbps=gbps(num_bytes, colocated_staged.phases.send_s),
+        staged_send_gbps=gbps(num_bytes, staged.phases.send_s),
+        pause_fraction_unstaged=pause_window_s(verified) / verified.total_s,
+        pause_fraction_staged=pause_window_s(staged) / staged.total_s,
+        staged_phases=vars(staged.phases) | {"total_s": staged.total_s},
+        staged_extra_bytes=num_bytes,  # stage() holds every packed bucket until the send
+        # Share of the machine's cores the sender and engines kept busy over each series (run_syncs).
+        cpu_busy_verified=verified_measured.cpu_busy,
+        cpu_busy_staged=staged_measured.cpu_busy,
+        cpu_busy_colocated=colocated_measured.cpu_busy,
+    )
+
+
+def sweep_rows(spec: ModelSpec, args, *, fleet: EngineFleet, ours, num_bytes: int) -> list[dict]:
+    """The bucket sweep (send GB/s and peak RSS growth per bucket size) and the engine sweep (1 to all of `fleet`'s
+    engines), alternating repetitions; one `{bucket_sweep, engine_sweep}` per repetition."""
+    counts = range(1, len(fleet.pids) + 1)
+    runs = alternate(
+        [
+            *(
+                (f"bucket {mib} MiB", lambda mib=mib: ours("distributed", verify=True, bucket=mib * MIB, sample=True))
+                for mib in args.bucket_sweep
+            ),
+            *(
+                (f"{n} engine(s)", lambda n=n: ours("distributed", verify=True, engine_urls=fleet.urls(n)))
+                for n in counts
+            ),
+        ],
+        repetitions=args.repetitions,
+        log=log,
+    )
+    out = []
+    for i in range(args.repetitions):
+        buckets = []
+        for mib in args.bucket_sweep:
+            m = runs[f"bucket {mib} MiB"][i]
+            buckets.append(
+                {
+                    "bucket_mib": mib,
+                    "buckets": m.report.num_buckets,
+                    "send_gbps": gbps(num_bytes, m.report.phases.send_s),
+                    "total_s": m.report.total_s,
+                    "sender_peak_extra_mib": m.sender_peak_bytes / MIB,
+                    "engine_peak_extra_mib": m.engine_peak_bytes / MIB,
+                    "sender_extra_over_bucket": m.sender_peak_bytes / (mib * MIB),
+                    "engine_extra_over_bucket": m.engine_peak_bytes / (mib * MIB),
+                }
+            )
+        engines = []
+        for n in counts:
+            report = runs[f"{n} engine(s)"][i].report
+            engines.append(
+                {
+                    "engines": n,
+                    "send_gbps": gbps(num_bytes, report.phases.send_s),
+                    "aggregate_send_gbps": n * gbps(num_bytes, report.phases.send_s),
+                    "total_s": report.total_s,
+                    "phases": vars(report.phases),
+                }
+            )
+        out.append({"bucket_sweep": buckets, "engine_sweep": engines})
+    return out
+
+
+def tp_cases(spec: ModelSpec, args, *, stack: ExitStack, model_dir: Path, fleet: EngineFleet, ours) -> list[list[dict]]:
+    """The TP comparison: one TP=1 engine (`fleet`'s first) against one TP=2 engine started here, per transport,
+    every case in each of `args.repetitions` alternating repetitions; `ours(transport, **options)` runs one
+    measured series. One list of case rows per repetition."""
     num_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
     log(f"{spec.name}: one TP=1 engine vs one TP={ENGINE_TP} engine")
     tp_fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir, tp_size=ENGINE_TP)
     fleets = {1: fleet, ENGINE_TP: tp_fleet}  # the first engine of each
     rank_pids = {engine_tp: f.rank_pids(0) for engine_tp, f in fleets.items()}
-    rows = []
-    for transport in ("distributed", "colocated", "shard_direct"):
-        cases = []
-        for engine_tp, f in fleets.items():  # side by side: TP=1 then TP=2, per transport
-            log(f"  {transport} into the TP={engine_tp} engine")
-            before = f.received_bytes(0)
-            m = ours(
-                transport,
-                verify=False,
-                engine_urls=f.urls(1),
-                count_pids=rank_pids[engine_tp],
-                cpu_pids=[os.getpid(), f.pids[0], *rank_pids[engine_tp]],
-            )
-            received = [(a - b) / m.num_syncs for a, b in zip(f.received_bytes(0), before)]
-            cases.append(
-                tp_case_row(
-                    m,
-                    transport=transport,
-                    engine_tp=engine_tp,
-                    rank_pids=rank_pids[engine_tp],
-                    received=received,
-                    model_bytes=num_bytes,
-                )
-            )
-        for case in cases:
-            case["send_s_over_tp1"] = case["send_s"] / cases[0]["send_s"]
-            case["total_s_over_tp1"] = case["total_s"] / cases[0]["total_s"]
-        rows += cases
+
+    def case(transport: str, engine_tp: int) -> dict:
+        f = fleets[engine_tp]
+        before = f.received_bytes(0)
+        m = ours(
+            transport,
+            verify=False,
+            engine_urls=f.urls(1),
+            count_pids=rank_pids[engine_tp],
+            cpu_pids=[os.getpid(), f.pids[0], *rank_pids[engine_tp]],
+        )
+        received = [(a - b) / m.num_syncs for a, b in zip(f.received_bytes(0), before)]
+        return tp_case_row(
+            m,
+            transport=transport,
+            engine_tp=engine_tp,
+            rank_pids=rank_pids[engine_tp],
+            received=received,
+            model_bytes=num_bytes,
+        )
+
+    keys = [(t, tp) for t in ("distributed", "colocated", "shard_direct") for tp in fleets]
+    runs = alternate(
+        [(f"{t} into the TP={tp} engine", lambda t=t, tp=tp: case(t, tp)) for t, tp in keys],
+        repetitions=args.repetitions,
+        log=log,
+    )
     tp_fleet.stop()
-    return rows
+    out = []
+    for i in range(args.repetitions):
+        rows = [runs[f"{t} into the TP={tp} engine"][i] for t, tp in keys]
+        for c in rows:
+            tp1 = next(x for x in rows if x["transport"] == c["transport"] and x["engine_tp"] == 1)
+            c["send_s_over_tp1"] = c["send_s"] / tp1["send_s"]
+            c["total_s_over_tp1"] = c["total_s"] / tp1["total_s"]
+        out.append(rows)
+    return out
 
 
 def bench_tp_only(spec: ModelSpec, args) -> dict:
@@ -647,6 +732,7 @@ def bench_tp_only(spec: ModelSpec, args) -> dict:
     tensors = read_safetensors(model_dir / "model.safetensors")
     row: dict = {"model": spec.name, "params": sum(t.numel() for t in tensors.values()), "tensors": len(tensors)}
     row["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    repeats = args.repeats or series_syncs(row["bytes"])
     with ExitStack() as stack:
         fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir)
 
@@ -657,12 +743,14 @@ def bench_tp_only(spec: ModelSpec, args) -> dict:
                 sender,
                 transport=transport,
                 verify=verify,
-                repeats=args.repeats,
+                repeats=repeats,
                 count_pids=count_pids,
                 cpu_pids=cpu_pids,
             )
 
-        row["tp_cases"] = tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)
+        reps = tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)
+    row["tp_cases"] = median_of(reps)
+    row["tp_repetitions"] = reps
     return row
 
 
@@ -733,14 +821,14 @@ def parallel_ratio(section: dict, name: str) -> float:
 
 
 def topologies(
-    rows: list[dict], parallel: dict, fp8: dict | None, lora: dict | None, guard: dict | None = None
+    rows: list[dict], parallel: dict | None, fp8: dict | None, lora: dict | None, guard: dict | None = None
 ) -> dict:
     """One key per topology compared side by side in this run; each value is a ratio of two of its measurements
     (time ratios: > 1 is slower than the baseline named after `_vs_`)."""
-    out = {
-        "pp2_vs_pp1_total_gbps": parallel_ratio(parallel["pipeline"], "pp2"),
-        "ep2_vs_ep1_total_gbps": parallel_ratio(parallel["experts"], "ep2"),
-    }
+    out = {}
+    if parallel is not None:
+        out["pp2_vs_pp1_total_gbps"] = parallel_ratio(parallel["pipeline"], "pp2")
+        out["ep2_vs_ep1_total_gbps"] = parallel_ratio(parallel["experts"], "ep2")
     if rows:
         largest = max(rows, key=lambda row: row["params"])
         # both into the same two engines
@@ -818,6 +906,11 @@ def print_tables(result: dict) -> None:
             f"{row['pickled_copy_gbps']:>7.2f}{row['memcpy_gbps']:>7.2f}"
             f"{row['pause_fraction_staged']:>7.2f}"
         )
+    print("spread per model, median [min-max] over the repetitions:")
+    for row in result["models"]:
+        figures = ("ratio_vs_ceiling", "speedup_vs_per_tensor", "colocated_vs_memcpy", "pause_fraction_staged")
+        spread = ", ".join(f"{k} {Spread(tuple(row['spread'][k]['values']))}" for k in figures)
+        print(f"  {row['model']}: {spread}")
     sweep_row = next(r for r in result["models"] if "bucket_sweep" in r)
     print(
         f"\nbucket sweep ({sweep_row['model']}): MiB, buckets, send GB/s, sender extra MiB (x bucket), engine extra MiB"
@@ -850,24 +943,8 @@ def print_tables(result: dict) -> None:
             f"digests predicted {where}: stage {case['stage_s']:.2f} s, pause window {case['pause_window_s']:.2f} s "
             f"of {case['total_s']:.2f} s ({case['pause_fraction']:.2f}), cores busy {case['cpu_busy']:.2f}"
         )
-    print("\nkeys:")
-    for key in (
-        "ratio_vs_ceiling",
-        "ratio_vs_ceiling_cpu_bound",
-        "end_to_end_gbps",
-        "speedup_vs_per_tensor",
-        "colocated_vs_memcpy",
-        "colocated_vs_memcpy_tp2",
-        "colocated_vs_memcpy_two_engines",
-        "pause_fraction",
-        "pause_fraction_hf_digests",
-        "peak_extra_mem_over_bucket",
-    ):
-        print(f"  {key} = {result[key]:.3f}")
-    print(f"\ntopologies side by side (commit {result['commit']}):")
-    for key, value in result["topologies"].items():
-        print(f"  {key} = {value:.3f}")
-    print_parallel_table(result["parallel"])
+    if result.get("parallel") is not None:
+        print_parallel_table(result["parallel"])
     if result.get("fed") is not None:
         print_fed_table(result["fed"])
 
@@ -937,6 +1014,92 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def headline_keys(
+    rows: list[dict],
+    parallel: dict | None,
+    fed: dict | None,
+    fp8: dict | None = None,
+    lora: dict | None = None,
+    guard: dict | None = None,
+) -> dict[str, float]:
+    """One repetition's headline figures: the summary keys and every `topologies.<key>` (numbers only)."""
+    is_models = bool(rows) and "ceiling_gbps" in rows[0]  # else the TP comparison alone (--tp-only)
+    out = {k: v for k, v in (summarize(rows) if is_models else {}).items() if is_number(v)}
+    tops = topologies(rows if is_models else [], parallel, fp8, lora, guard)
+    if not is_models and rows:
+        tops.update(tp_topologies(rows[0]))
+    if fed is not None:
+        tops.update(fed_topologies(fed))
+    return out | {f"topologies.{k}": v for k, v in tops.items()}
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def with_spreads(result: dict, repetitions: list[dict[str, float]]) -> dict:
+    """`result` with every headline figure set to its median over `repetitions`, `spread` holding each one's
+    median [min-max] and values, `unstable` the figures whose spread exceeds _repeat.UNSTABLE_SPREAD and `caveats`
+    why a figure cannot be read as measured (unstable, saturated, not exercised)."""
+    spreads = spreads_of(repetitions, list(repetitions[0]))
+    result = dict(result)
+    result["topologies"] = {}
+    for key, s in spreads.items():
+        if key.startswith("topologies."):
+            result["topologies"][key.removeprefix("topologies.")] = s.median
+        else:
+            result[key] = s.median
+    result["repetitions"] = len(repetitions)
+    result["spread"] = {k: s.to_json() for k, s in spreads.items()}
+    result["unstable"] = [k for k, s in spreads.items() if s.unstable]
+    result["caveats"] = caveats(result, spreads)
+    return result
+
+
+def caveats(result: dict, spreads: dict[str, Spread]) -> dict[str, str]:
+    """Why a headline figure of this run cannot be read as a measurement of what it names (reasons joined)."""
+    out: dict[str, list[str]] = {}
+    for key, s in spreads.items():
+        if s.unstable:
+            out.setdefault(key, []).append(f"spread {s.spread:.2f} (max/min over the repetitions) > {UNSTABLE_SPREAD}")
+    largest = next((r for r in result.get("models", []) if r["model"] == result.get("largest_model")), None)
+    if largest is not None:
+        if max(spreads["ratio_vs_ceiling_cpu_bound"].values) >= 0.999:
+            out.setdefault("ratio_vs_ceiling_cpu_bound", []).append(
+                f"saturated at 1.0 in a repetition: the least CPU work a verified send of {largest['model']}"
+                f" ({largest['bytes'] / MIB:.0f} MiB) needs, spread over {result['cpu_count']} cores, took less than"
+                " the ceiling broadcast's own wall time; the cores do not bound this model's send here (a larger"
+                " model's do), so read ratio_vs_ceiling alone"
+            )
+        if largest.get("ours_buckets") == 1:
+            for key in ("ratio_vs_ceiling", "end_to_end_gbps"):
+                out.setdefault(key, []).append(
+                    f"{largest['model']} fits one {DEFAULT_BUCKET // MIB} MiB bucket: packing never overlaps the"
+                    " transfer, so this measures one unpipelined bucket, not the pipelined send"
+                )
+        if math.isnan(result.get("peak_extra_mem_over_bucket", 0.0)):
+            out.setdefault("peak_extra_mem_over_bucket", []).append(
+                "no swept bucket is both below the model's size and above its largest unit"
+            )
+    return {key: "; ".join(reasons) for key, reasons in out.items()}
+
+
+def print_keys(result: dict) -> None:
+    spread = result["spread"]
+    print(f"\nkeys: median [min-max] over {result['repetitions']} alternating repetitions (commit {result['commit']})")
+    for key, s in spread.items():
+        if not key.startswith("topologies."):
+            print(f"  {key} = {Spread(tuple(s['values']))}")
+    print("topologies side by side:")
+    for key, s in spread.items():
+        if key.startswith("topologies."):
+            print(f"  {key.removeprefix('topologies.')} = {Spread(tuple(s['values']))}")
+    if result["caveats"]:
+        print("caveats (figures this run cannot measure well):")
+        for key, why in result["caveats"].items():
+            print(f"  {key}: {why}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="models up to ~100M, bucket sweep to 256 MiB")
@@ -948,14 +1111,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, default=Path("outputs/bench_sync.png"))
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("MILES_SYNC_CACHE", "~/.cache/miles_sync")))
     parser.add_argument("--log-dir", type=Path, default=Path("outputs/bench_sync_logs"))
-    parser.add_argument("--repeats", type=int, default=None, help="measured syncs per point (default 3, quick 2)")
+    parser.add_argument(
+        "--repetitions",
+        type=int,
+        default=MIN_REPETITIONS,
+        help=f"alternating repetitions every figure is the median of (default and least: {MIN_REPETITIONS})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measured syncs per series after its warm-up, their median the series' figure (default: 3 for models"
+        " below 256 MiB and the layout sections, 1 above)",
+    )
     parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(MODELS))
+    parser.add_argument(
+        "--models-only",
+        action="store_true",
+        help="only the per-model section (no parallel layouts, fed engines, FP8, LoRA or draft guard)",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="COMMIT",
+        default=None,
+        help="run this benchmark (with the other options given) from a checkout of COMMIT and from this one, "
+        "alternating, and print each key's ratio (benchmarks/bench_compare.py)",
+    )
     args = parser.parse_args(argv)
+    if args.compare is not None:
+        from bench_compare import compare_main
+
+        return compare_main(args.compare, list(sys.argv[1:] if argv is None else argv))
+    if args.repetitions < MIN_REPETITIONS:
+        parser.error(f"--repetitions must be >= {MIN_REPETITIONS}: a median of fewer is one sample's luck")
     args.cache = args.cache.expanduser()
     if args.json is None:
         kind = "_parallel" if args.parallel_only else "_tp" if args.tp_only else ""
         args.json = Path(f"outputs/bench_sync{kind}.json")
-    args.repeats = args.repeats or (2 if args.quick else 3)
     names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
     args.bucket_sweep = [16, 64, 256] if args.quick else [16, 64, 256, 1024]
     torch.set_num_threads(1)  # as every engine runs; the sender's copies and hashes run on their own threads
@@ -967,11 +1159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from miles_sync.config import ClusterConfig
 
     started = time.perf_counter()
+    reps = args.repetitions
+    small = args.repeats or 3  # measured syncs per series of the layout sections (models below 256 MiB)
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
     if args.tp_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
             row = bench_tp_only(MODELS[sweep_model], args)
-            fed = bench_fed(cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET)
+            fed = bench_fed(
+                cache=args.cache, log_dir=args.log_dir, repeats=reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+            )
         result = {
             "tp_only": True,
             "repeats": args.repeats,
@@ -980,36 +1176,59 @@ def main(argv: Sequence[str] | None = None) -> int:
             "commit": git_commit(),
             "models": [row],
             "fed": fed,
-            "topologies": {**tp_topologies(row), **fed_topologies(fed)},
         }
+        per_rep = [
+            headline_keys([{"tp_cases": row["tp_repetitions"][i]}], None, fed["repetitions"][i]) for i in range(reps)
+        ]
+        result = with_spreads(result, per_rep)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         print_tp_table(row)
         print_fed_table(fed)
-        print(json.dumps(result["topologies"], indent=2, sort_keys=True))
+        print_keys(result)
         print(f"\nwrote {args.json} in {result['wall_s']:.0f} s")
         return 0
     with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
         rows = (
             [] if args.parallel_only else [bench_model(MODELS[n], args, is_sweep_model=n == sweep_model) for n in names]
         )
-        parallel = bench_parallel(
-            quick=args.quick, cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET
+        parallel = (
+            None
+            if args.models_only
+            else bench_parallel(
+                quick=args.quick,
+                cache=args.cache,
+                log_dir=args.log_dir,
+                repeats=small,
+                repetitions=reps,
+                bucket_bytes=DEFAULT_BUCKET,
+            )
         )
         fed = (
             None
-            if args.parallel_only
-            else bench_fed(cache=args.cache, log_dir=args.log_dir, repeats=args.repeats, bucket_bytes=DEFAULT_BUCKET)
+            if args.parallel_only or args.models_only
+            else bench_fed(
+                cache=args.cache, log_dir=args.log_dir, repeats=reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+            )
         )
     fp8 = lora = guard = None
-    if not args.parallel_only:
+    if not (args.parallel_only or args.models_only):
         smallest = min(names, key=lambda n: model_size(MODELS[n]))
-        log(f"{smallest}: FP8 vs BF16")
-        fp8 = bench_fp8_model(smallest, cache=args.cache, block=128, repeats=args.repeats, log_dir=args.log_dir)
-        log(f"{smallest}: LoRA vs full")
-        lora = bench_lora_model(smallest, cache=args.cache, rank=16, repeats=args.repeats, log_dir=args.log_dir)
-        log(f"{smallest}: draft guard (frozen MTP draft, selector target)")
-        guard = bench_draft_guard_model(smallest, cache=args.cache, repeats=args.repeats, log_dir=args.log_dir)
+        log(f"{smallest}: FP8 vs BF16, LoRA vs full, draft guard (frozen MTP draft); {reps} alternating repetitions")
+        settings = dict(cache=args.cache, repeats=small, log_dir=args.log_dir)
+        side = alternate(
+            [
+                ("FP8 vs BF16", lambda: bench_fp8_model(smallest, block=128, **settings)),
+                ("LoRA vs full", lambda: bench_lora_model(smallest, rank=16, **settings)),
+                ("draft guard", lambda: bench_draft_guard_model(smallest, **settings)),
+            ],
+            repetitions=reps,
+            log=log,
+        )
+        fp8, lora, guard = (
+            median_of(runs) | {"repetitions": runs}
+            for runs in (side["FP8 vs BF16"], side["LoRA vs full"], side["draft guard"])
+        )
     result = {
         **(summarize(rows) if rows else {}),
         "quick": args.quick,
@@ -1027,14 +1246,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lora": lora,
         "draft_guard": guard,
         "fed": fed,
-        "topologies": {**topologies(rows, parallel, fp8, lora, guard), **({} if fed is None else fed_topologies(fed))},
     }
+    per_rep = [
+        headline_keys(
+            [r["repetitions"][i] for r in rows],
+            None if parallel is None else parallel["repetitions"][i],
+            None if fed is None else fed["repetitions"][i],
+            *(None if x is None else x["repetitions"][i] for x in (fp8, lora, guard)),
+        )
+        for i in range(reps)
+    ]
+    result = with_spreads(result, per_rep)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     if rows:
         args.png.parent.mkdir(parents=True, exist_ok=True)
         plot(result, args.png)
     print_tables(result)
+    print_keys(result)
     print(f"\nwrote {args.json}{'' if not rows else f' and {args.png}'} in {result['wall_s']:.0f} s")
     return 0
 
