@@ -42,6 +42,21 @@ def rss_bytes(pid: int) -> int:
     return _status_field(pid, "VmRSS") * 1024
 
 
+def peak_rss_bytes(pid: int) -> int:
+    """The kernel's high-water mark of the process's RSS (VmHWM): exact, unlike any polling."""
+    return _status_field(pid, "VmHWM") * 1024
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Set the process's RSS high-water mark back to its current RSS (writing 5 to /proc/<pid>/clear_refs, Linux
+    4.0+); False where the kernel or the process's owner does not allow it."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def num_threads(pid: int) -> int:
     return _status_field(pid, "Threads")
 
@@ -73,19 +88,24 @@ def child_pids(pid: int) -> list[int]:
 
 
 class PeakSampler:
-    """Highest RSS of each pid between `start()` and `stop()`, polled every `interval_s` on a daemon thread."""
+    """Highest RSS of each pid between `start()` and `stop()`: the kernel's high-water mark, reset at `start()`
+    (`reset_peak_rss`; exact, however short the peak), and where that cannot be reset, RSS polled every
+    `interval_s` on a daemon thread (which misses a peak shorter than the poll gap, or one that falls while this
+    process's GIL is busy: the sending process is this one)."""
 
     def __init__(self, pids: Iterable[int], *, interval_s: float = 0.005) -> None:
         self._pids = tuple(pids)
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._exact: set[int] = set()
         self.baseline = {pid: rss_bytes(pid) for pid in self._pids}
         self.peak = dict(self.baseline)
 
     def start(self) -> PeakSampler:
         self.baseline = {pid: rss_bytes(pid) for pid in self._pids}
         self.peak = dict(self.baseline)
+        self._exact = {pid for pid in self._pids if reset_peak_rss(pid)}
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
         self._thread.start()
         return self
@@ -96,6 +116,11 @@ class PeakSampler:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         self._sample()
+        for pid in self._exact:
+            try:
+                self.peak[pid] = max(self.peak[pid], peak_rss_bytes(pid))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
         return {pid: self.peak[pid] - self.baseline[pid] for pid in self._pids}
 
     def _run(self) -> None:

@@ -102,3 +102,17 @@ def test_compare_reads_old_and_new_results_alike_and_ratios_per_round() -> None:
 def test_compare_gives_each_run_its_own_outputs() -> None:
     options = ["--quick", "--json", "a.json", "--png=b.png", "--models", "m", "--compare", "HEAD~1", "--log-dir", "d"]
     assert _without_outputs(options) == ["--quick", "--models", "m"]
+
+
+def test_the_peak_sampler_sees_a_peak_its_polling_would_miss() -> None:
+    """The sender's peak memory (peak_extra_mem_over_bucket) is the kernel's high-water mark, reset at start: a
+    150 MiB allocation freed long before the next poll is still counted, as it is every time."""
+    import os
+
+    from _procstat import PeakSampler
+
+    pid = os.getpid()
+    sampler = PeakSampler([pid], interval_s=60.0).start()  # the poll never runs while the peak lasts
+    transient = bytearray(150 * 2**20)  # zero-filled: every page touched
+    del transient
+    assert sampler.stop()[pid] >= 140 * 2**20
