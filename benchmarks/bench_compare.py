@@ -117,6 +117,9 @@ def print_rows(rows: Sequence[dict], *, base: str, this: str) -> None:
             ratio += "" if r["resolved"] else " ~"
         print(f"  {r['key']:<58}{b:>22}{t:>22}{ratio:>24}")
     print("  ~ : the rounds' ratios span 1.0 (no difference this machine resolves)")
+    rounds = len(rows[0]["base"]) if rows else 0
+    if rounds < 3:
+        print(f"  {rounds} round(s): an unmarked ratio is a direction, not yet a measured difference (--rounds 3+)")
 
 
 def compare_main(base: str, options: Sequence[str], *, rounds: int = 2, json_path: Path | None = None) -> int:
