@@ -4,15 +4,30 @@ ratios."""
 
 from __future__ import annotations
 
+import importlib
 import math
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _repeat import UNSTABLE_SPREAD, Spread, alternate, median_of, spreads_of  # noqa: E402
-from bench_compare import _without_outputs, compare_rows, headline  # noqa: E402
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    """A benchmarks/ module, with benchmarks/ on sys.path only while it imports (the session's path stays as it
+    was: benchmarks/ holds top-level modules whose names nothing else should resolve to)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        return importlib.import_module(name)
+
+
+_repeat = _load("_repeat")
+_compare = _load("bench_compare")
+_procstat = _load("_procstat")
+UNSTABLE_SPREAD, Spread, alternate = _repeat.UNSTABLE_SPREAD, _repeat.Spread, _repeat.alternate
+median_of, spreads_of = _repeat.median_of, _repeat.spreads_of
+_without_outputs, compare_rows, headline = _compare._without_outputs, _compare.compare_rows, _compare.headline
 
 
 def test_cases_alternate_in_the_same_order_every_repetition() -> None:
@@ -109,10 +124,8 @@ def test_the_peak_sampler_sees_a_peak_its_polling_would_miss() -> None:
     150 MiB allocation freed long before the next poll is still counted, as it is every time."""
     import os
 
-    from _procstat import PeakSampler
-
     pid = os.getpid()
-    sampler = PeakSampler([pid], interval_s=60.0).start()  # the poll never runs while the peak lasts
+    sampler = _procstat.PeakSampler([pid], interval_s=60.0).start()  # the poll never runs while the peak lasts
     transient = bytearray(150 * 2**20)  # zero-filled: every page touched
     del transient
     assert sampler.stop()[pid] >= 140 * 2**20
