@@ -220,19 +220,20 @@ def copy_into(out: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
 def best_seconds(work: Callable[[], object], *, repeats: int) -> float:
     """Fastest wall time of at least BEST_OF calls of `work` after one warm-up call: for the costs a bound is built
     from (memcpy, hashing), whose least time is what the machine can do."""
-    times = []
-    for _ in range(max(repeats, BEST_OF) + 1):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+    return min(_timed(work, runs=max(repeats, BEST_OF)))
 
 
 def median_seconds(work: Callable[[], object], *, repeats: int) -> float:
     """Median wall time of `repeats` calls of `work` after one warm-up call."""
+    return statistics.median(_timed(work, runs=repeats))
+
+
+def _timed(work: Callable[[], object], *, runs: int) -> list[float]:
+    """Wall times of `runs` calls of `work`, after one warm-up call that is not timed."""
+    work()
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(runs):
         start = time.perf_counter()
         work()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return times

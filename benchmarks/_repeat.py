@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["MIN_REPETITIONS", "UNSTABLE_SPREAD", "Spread", "alternate", "median_of", "spreads_of"]
+__all__ = ["MIN_REPETITIONS", "UNSTABLE_SPREAD", "Spread", "alternate", "is_number", "median_of", "spreads_of"]
 
 T = TypeVar("T")
 
@@ -103,7 +103,7 @@ def median_of(repetitions: Sequence[Any]) -> Any:
         isinstance(r, list | tuple) and len(r) == len(first) for r in repetitions
     ):
         return [median_of([r[i] for r in repetitions]) for i in range(len(first))]
-    if _is_number(first) and all(_is_number(r) for r in repetitions):
+    if is_number(first) and all(is_number(r) for r in repetitions):
         if all(r == first for r in repetitions):
             return first
         return statistics.median(float(r) for r in repetitions)
@@ -113,9 +113,10 @@ def median_of(repetitions: Sequence[Any]) -> Any:
 def spreads_of(repetitions: Sequence[Mapping[str, float]], keys: Sequence[str] | None = None) -> dict[str, Spread]:
     """`Spread` of each numeric key (`keys`, default every numeric key of the first repetition) over the
     repetitions; a key missing in a repetition counts as NaN there."""
-    names = keys if keys is not None else [k for k, v in repetitions[0].items() if _is_number(v)]
+    names = keys if keys is not None else [k for k, v in repetitions[0].items() if is_number(v)]
     return {k: Spread(tuple(float(r.get(k, math.nan)) for r in repetitions)) for k in names}
 
 
-def _is_number(value: object) -> bool:
+def is_number(value: object) -> bool:
+    """A figure: an int or float, not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -28,6 +28,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from _repeat import is_number
+
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 3 * 3600  # a full bench_sync run takes ~20 min here
 
@@ -77,8 +79,7 @@ def headline(result: dict) -> dict[str, float]:
 
 
 def _is_figure(key: str, value: object) -> bool:
-    not_figures = {"wall_s", "cpu_count", "repeats", "repetitions"}
-    return isinstance(value, int | float) and not isinstance(value, bool) and key not in not_figures
+    return is_number(value) and key not in {"wall_s", "cpu_count", "repeats", "repetitions"}
 
 
 def compare_rows(base: Sequence[dict[str, float]], this: Sequence[dict[str, float]]) -> list[dict]:
@@ -126,7 +127,8 @@ def compare_main(base: str, options: Sequence[str], *, rounds: int = 2, json_pat
     if rounds < 1:
         raise SystemExit("compare: --rounds must be >= 1")
     options = _without_outputs(options)
-    this_label = _head()
+    head, _, dirty = git_commit().partition("+")
+    this_label = head[:12] + (f"+{dirty}" if dirty else "")
     with tempfile.TemporaryDirectory(prefix="miles-sync-compare-") as tmp:
         work = Path(tmp)
         (work / "base").mkdir()
@@ -167,10 +169,17 @@ def _without_outputs(options: Sequence[str]) -> list[str]:
     return out
 
 
-def _head() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO, capture_output=True, timeout=60)
-    return head.stdout.strip()[:12] + ("+dirty" if dirty.returncode == 1 else "")
+def git_commit() -> str:
+    """The checkout's HEAD (with '+dirty' when tracked files differ), or 'unknown' outside a git checkout (an
+    extracted base): what a bench_sync JSON records as its `commit`, and this comparison's label for its side."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -86,7 +86,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 import urllib.request
@@ -111,7 +110,7 @@ from _baselines import (  # noqa: E402
 from _fed_sync import bench_fed, print_fed_table, received_bytes  # noqa: E402
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, cpu_seconds, rss_bytes  # noqa: E402
-from _repeat import MIN_REPETITIONS, UNSTABLE_SPREAD, Spread, alternate, median_of, spreads_of  # noqa: E402
+from _repeat import MIN_REPETITIONS, UNSTABLE_SPREAD, Spread, alternate, is_number, median_of, spreads_of  # noqa: E402
 from _sync_models import (  # noqa: E402
     CALL_TIMEOUT_S,
     FULL_MODELS,
@@ -124,6 +123,7 @@ from _sync_models import (  # noqa: E402
     pause_window_s,
     tensor_sender,
 )
+from bench_compare import compare_main, git_commit  # noqa: E402
 from bench_draft_guard import bench_draft_guard_model  # noqa: E402
 from bench_fp8 import bench_model as bench_fp8_model  # noqa: E402
 from bench_lora import bench_model as bench_lora_model  # noqa: E402
@@ -152,6 +152,7 @@ HOST = "127.0.0.1"
 DEFAULT_BUCKET = 256 * MIB
 ENGINES = 2  # per model; the engine sweep goes to 4
 ENGINE_TP = 2  # the TP case's engine, measured against a TP=1 engine
+SMALL_SERIES_SYNCS = 3  # measured syncs per series below 256 MiB (series_syncs)
 
 
 def log(message: str) -> None:
@@ -567,7 +568,7 @@ def series_syncs(num_bytes: int) -> int:
     """Measured syncs per series (their median is the series' figure) when --repeats is not given: 3 below
     256 MiB, where one sync takes a fraction of a second and a stray scheduling hiccup is a large share of it; 1
     above, where syncs take seconds and the repetitions alone keep the run's length in bounds."""
-    return 3 if num_bytes < 256 * MIB else 1
+    return SMALL_SERIES_SYNCS if num_bytes < 256 * MIB else 1
 
 
 def core_row(runs: dict, *, num_bytes: int) -> dict:
@@ -802,19 +803,6 @@ def model_size(spec: ModelSpec) -> int:
     return spec.num_hidden_layers * spec.hidden_size**2 * 12 + spec.vocab_size * spec.hidden_size * 2
 
 
-def git_commit() -> str:
-    """The checkout's HEAD (with '+dirty' when tracked files differ), or 'unknown' outside a git checkout."""
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=repo, capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    if head.returncode != 0:
-        return "unknown"
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
-
-
 def parallel_ratio(section: dict, name: str) -> float:
     """Total GB/s of case `name` over its comparison's first case, verify on (the _parallel_sync rows)."""
     return next(r["total_gbps_ratio"] for r in section["cases"] if (r["case"], r["verify"]) == (name, True))
@@ -1034,10 +1022,6 @@ def headline_keys(
     return out | {f"topologies.{k}": v for k, v in tops.items()}
 
 
-def is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def with_spreads(result: dict, repetitions: list[dict[str, float]]) -> dict:
     """`result` with every headline figure set to its median over `repetitions`, `spread` holding each one's
     median [min-max] and values, `unstable` the figures whose spread exceeds _repeat.UNSTABLE_SPREAD and `caveats`
@@ -1140,8 +1124,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.compare is not None:
-        from bench_compare import compare_main
-
         return compare_main(args.compare, list(sys.argv[1:] if argv is None else argv))
     if args.repetitions < MIN_REPETITIONS:
         parser.error(f"--repetitions must be >= {MIN_REPETITIONS}: a median of fewer is one sample's luck")
@@ -1161,7 +1143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     reps = args.repetitions
-    small = args.repeats or 3  # measured syncs per series of the layout sections (models below 256 MiB)
+    small = args.repeats or SMALL_SERIES_SYNCS  # the layout sections' models are all below 256 MiB
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
     if args.tp_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
