@@ -77,18 +77,28 @@ def _short(value: float) -> str:
 
 
 def alternate(
-    cases: Sequence[tuple[str, Callable[[], T]]], *, repetitions: int, log: Callable[[str], None] | None = None
+    cases: Sequence[tuple[str, Callable[[], T]]],
+    *,
+    repetitions: int,
+    warmup: int = 0,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, list[T]]:
     """Run every case once per repetition, in the same order each time (A, B, ..., A, B, ...); each case's results
-    in repetition order."""
-    if repetitions < 1:
-        raise ValueError(f"repetitions must be >= 1, got {repetitions}")
+    in repetition order. `warmup` whole repetitions run first and are discarded: for cases whose processes were
+    just started, where the first pass through every case is slow for all of them by different amounts (first
+    touch of a fresh engine's parameters, a new process group's first collectives) however each series warms up."""
+    if repetitions < 1 or warmup < 0:
+        raise ValueError(f"repetitions must be >= 1 and warmup >= 0, got {repetitions} and {warmup}")
     results: dict[str, list[T]] = {name: [] for name, _ in cases}
-    for rep in range(repetitions):
+    for rep in range(warmup + repetitions):
+        counted = rep >= warmup
         for name, run in cases:
             if log is not None:
-                log(f"  [{rep + 1}/{repetitions}] {name}")
-            results[name].append(run())
+                label = f"{rep - warmup + 1}/{repetitions}" if counted else f"warm-up {rep + 1}/{warmup}, discarded"
+                log(f"  [{label}] {name}")
+            result = run()
+            if counted:
+                results[name].append(result)
     return results
 
 

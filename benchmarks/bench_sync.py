@@ -42,7 +42,9 @@ How each figure is taken (benchmarks/_repeat.py): every case of a comparison run
 order (A, B, ..., A, B, ...; `--repetitions`, default and least 3), each run a series of its own: a fresh controller,
 one warm-up sync that is not measured (group set-up, first touch of buffers), then `--repeats` measured syncs whose
 median is the series' figure (default 3 below 256 MiB, 1 above). Every figure is computed per repetition (a ratio
-from its two cases of the same repetition) and reported as the median over the repetitions; `spread` in the JSON
+from its two cases of the same repetition) and reported as the median over the repetitions. The layout sections
+(parallel pair, fed cases, FP8/LoRA/draft guard), whose ratios sit near 1.0 or are small shares, take at least 5
+repetitions; the TP comparison runs one discarded pass first (its TP=2 engine starts there). `spread` in the JSON
 keeps each headline figure's median, min, max and every repetition's value, the printout says `median [min-max]`,
 a figure whose max/min exceeds 1.2 is listed in `unstable`, and `caveats` says why a figure cannot be read as what it
 names (unstable; the CPU bound saturated at 1.0 because the model is too small for the cores to bound its send; the
@@ -61,7 +63,8 @@ ratio_vs_ceiling_cpu_bound), end_to_end_gbps, speedup_vs_per_tensor (model with 
 colocated_vs_memcpy (one TP=1 engine; colocated_vs_memcpy_tp2 into one TP=2 engine, from the TP comparison;
 colocated_vs_memcpy_two_engines), pause_fraction (and pause_fraction_hf_digests), peak_extra_mem_over_bucket; then
 the tables (the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray
-versions and the core count; `spread`, `unstable`, `caveats` and `repetitions` (above); per model, `spread` and
+versions and the core count; `spread`, `unstable`, `caveats`, `section_repetitions` (each section's count) and
+`repetitions` (the least of them); per model, `spread` and
 every repetition's row (`repetitions`).
 
 FP8 vs BF16 (bench_fp8.py's comparison, on the run's smallest model, 128x128 blocks): bytes on the wire, sync wall
@@ -153,6 +156,10 @@ DEFAULT_BUCKET = 256 * MIB
 ENGINES = 2  # per model; the engine sweep goes to 4
 ENGINE_TP = 2  # the TP case's engine, measured against a TP=1 engine
 SMALL_SERIES_SYNCS = 3  # measured syncs per series below 256 MiB (series_syncs)
+# The layout sections (pipeline/expert pair, fed cases, FP8/LoRA/draft guard) take at least this many repetitions:
+# their ratios sit near 1.0 or are small shares, where the median of 3 moved by 22-39% between three quick runs on
+# one commit (pp2_vs_pp1 0.75/0.92/0.75, fed tp1dp2->tp2 1.00/0.84/1.16, fp8_quantize_share 0.27/0.23/0.21).
+LAYOUT_REPETITIONS = 5
 
 
 def log(message: str) -> None:
@@ -710,9 +717,12 @@ def tp_cases(spec: ModelSpec, args, *, stack: ExitStack, model_dir: Path, fleet:
         )
 
     keys = [(t, tp) for t in ("distributed", "colocated", "shard_direct") for tp in fleets]
+    # One discarded pass first: in every quick run the first repetition's TP=2 cases were the slow ones (the TP=2
+    # engine and its rank processes start here), which moved tp2_vs_tp1_total_s 1.22-1.51 between runs.
     runs = alternate(
         [(f"{t} into the TP={tp} engine", lambda t=t, tp=tp: case(t, tp)) for t, tp in keys],
         repetitions=args.repetitions,
+        warmup=1,
         log=log,
     )
     tp_fleet.stop()
@@ -1022,11 +1032,40 @@ def headline_keys(
     return out | {f"topologies.{k}": v for k, v in tops.items()}
 
 
-def with_spreads(result: dict, repetitions: list[dict[str, float]]) -> dict:
-    """`result` with every headline figure set to its median over `repetitions`, `spread` holding each one's
-    median [min-max] and values, `unstable` the figures whose spread exceeds _repeat.UNSTABLE_SPREAD and `caveats`
-    why a figure cannot be read as measured (unstable, saturated, not exercised)."""
-    spreads = spreads_of(repetitions, list(repetitions[0]))
+def section_repetitions(
+    rows: list[dict],
+    parallel: dict | None,
+    fed: dict | None,
+    fp8: dict | None = None,
+    lora: dict | None = None,
+    guard: dict | None = None,
+) -> dict[str, list[dict[str, float]]]:
+    """Each section's headline figures, one dict per repetition of that section (sections take different numbers
+    of repetitions: LAYOUT_REPETITIONS); `rows` are the models' (or --tp-only's one) rows."""
+    out = {}
+    if rows:
+        out["models"] = [
+            headline_keys([r["repetitions"][i] for r in rows], None, None) for i in range(len(rows[0]["repetitions"]))
+        ]
+    if parallel is not None:
+        out["parallel"] = [headline_keys([], p, None) for p in parallel["repetitions"]]
+    if fed is not None:
+        out["fed"] = [headline_keys([], None, f) for f in fed["repetitions"]]
+    if fp8 is not None and lora is not None and guard is not None:
+        out["fp8_lora_guard"] = [
+            headline_keys([], None, None, *x)
+            for x in zip(fp8["repetitions"], lora["repetitions"], guard["repetitions"], strict=True)
+        ]
+    return out
+
+
+def with_spreads(result: dict, sections: dict[str, list[dict[str, float]]]) -> dict:
+    """`result` with every headline figure set to its median over its section's repetitions, `spread` holding each
+    one's median [min-max] and values, `unstable` the figures whose spread exceeds _repeat.UNSTABLE_SPREAD and
+    `caveats` why a figure cannot be read as measured (unstable, saturated, not exercised)."""
+    spreads = {}
+    for reps in sections.values():
+        spreads.update(spreads_of(reps, list(reps[0])))
     result = dict(result)
     result["topologies"] = {}
     for key, s in spreads.items():
@@ -1034,7 +1073,8 @@ def with_spreads(result: dict, repetitions: list[dict[str, float]]) -> dict:
             result["topologies"][key.removeprefix("topologies.")] = s.median
         else:
             result[key] = s.median
-    result["repetitions"] = len(repetitions)
+    result["section_repetitions"] = {name: len(reps) for name, reps in sections.items()}
+    result["repetitions"] = min(result["section_repetitions"].values())
     result["spread"] = {k: s.to_json() for k, s in spreads.items()}
     result["unstable"] = [k for k, s in spreads.items() if s.unstable]
     result["caveats"] = caveats(result, spreads)
@@ -1071,7 +1111,8 @@ def caveats(result: dict, spreads: dict[str, Spread]) -> dict[str, str]:
 
 def print_keys(result: dict) -> None:
     spread = result["spread"]
-    print(f"\nkeys: median [min-max] over {result['repetitions']} alternating repetitions (commit {result['commit']})")
+    per_section = ", ".join(f"{name} {n}" for name, n in result["section_repetitions"].items())
+    print(f"\nkeys: median [min-max] over alternating repetitions ({per_section}; commit {result['commit']})")
     for key, s in spread.items():
         if not key.startswith("topologies."):
             print(f"  {key} = {Spread(tuple(s['values']))}")
@@ -1143,13 +1184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     reps = args.repetitions
+    layout_reps = max(reps, LAYOUT_REPETITIONS)
     small = args.repeats or SMALL_SERIES_SYNCS  # the layout sections' models are all below 256 MiB
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
     if args.tp_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
             row = bench_tp_only(MODELS[sweep_model], args)
             fed = bench_fed(
-                cache=args.cache, log_dir=args.log_dir, repeats=reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
             )
         result = {
             "tp_only": True,
@@ -1160,10 +1202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "models": [row],
             "fed": fed,
         }
-        per_rep = [
-            headline_keys([{"tp_cases": row["tp_repetitions"][i]}], None, fed["repetitions"][i]) for i in range(reps)
-        ]
-        result = with_spreads(result, per_rep)
+        sections = {
+            "tp": [headline_keys([{"tp_cases": cases}], None, None) for cases in row["tp_repetitions"]],
+            "fed": section_repetitions([], None, fed)["fed"],
+        }
+        result = with_spreads(result, sections)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         print_tp_table(row)
@@ -1183,7 +1226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cache=args.cache,
                 log_dir=args.log_dir,
                 repeats=small,
-                repetitions=reps,
+                repetitions=layout_reps,
                 bucket_bytes=DEFAULT_BUCKET,
             )
         )
@@ -1191,13 +1234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             None
             if args.parallel_only or args.models_only
             else bench_fed(
-                cache=args.cache, log_dir=args.log_dir, repeats=reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
             )
         )
     fp8 = lora = guard = None
     if not (args.parallel_only or args.models_only):
         smallest = min(names, key=lambda n: model_size(MODELS[n]))
-        log(f"{smallest}: FP8 vs BF16, LoRA vs full, draft guard (frozen MTP draft); {reps} alternating repetitions")
+        log(f"{smallest}: FP8 vs BF16, LoRA vs full, draft guard (frozen MTP draft); {layout_reps} repetitions")
         settings = dict(cache=args.cache, repeats=small, log_dir=args.log_dir)
         side = alternate(
             [
@@ -1205,7 +1248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("LoRA vs full", lambda: bench_lora_model(smallest, rank=16, **settings)),
                 ("draft guard", lambda: bench_draft_guard_model(smallest, **settings)),
             ],
-            repetitions=reps,
+            repetitions=layout_reps,
             log=log,
         )
         fp8, lora, guard = (
@@ -1230,16 +1273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "draft_guard": guard,
         "fed": fed,
     }
-    per_rep = [
-        headline_keys(
-            [r["repetitions"][i] for r in rows],
-            None if parallel is None else parallel["repetitions"][i],
-            None if fed is None else fed["repetitions"][i],
-            *(None if x is None else x["repetitions"][i] for x in (fp8, lora, guard)),
-        )
-        for i in range(reps)
-    ]
-    result = with_spreads(result, per_rep)
+    result = with_spreads(result, section_repetitions(rows, parallel, fed, fp8, lora, guard))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     if rows:

@@ -47,6 +47,21 @@ def test_cases_alternate_in_the_same_order_every_repetition() -> None:
         alternate([("a", case("a"))], repetitions=0)
 
 
+def test_warmup_repetitions_run_every_case_and_are_discarded() -> None:
+    calls: list[str] = []
+
+    def case(name: str):
+        def run() -> int:
+            calls.append(name)
+            return len(calls)
+
+        return run
+
+    results = alternate([("a", case("a")), ("b", case("b"))], repetitions=2, warmup=1)
+    assert calls == ["a", "b"] * 3
+    assert results == {"a": [3, 5], "b": [4, 6]}  # the first pass (1, 2) is not among the results
+
+
 def test_median_of_nested_results_keeps_their_shape() -> None:
     reps = [
         {"model": "m", "bytes": 10, "gbps": 1.0, "cases": [{"case": "x", "s": 3.0}], "ok": True},
