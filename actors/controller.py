@@ -17,6 +17,7 @@ from miles_sync.config import ModelConfig, SyncConfig, SyncMode
 from miles_sync.sync.attach import DEFAULT_ATTACHMENT
 from miles_sync.sync.controller import GroupSettings, SyncController
 from miles_sync.sync.draft_canary import CanarySettings
+from miles_sync.sync.routing import TrafficGate
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 
@@ -37,11 +38,13 @@ def controller_args(
     device: str = "cpu",
     show_progress: bool = False,
     canary_prompts: Sequence[Sequence[int]] = (),
+    gate: TrafficGate | None = None,
 ) -> dict[str, Any]:
     """SyncController's keyword arguments for trainer actors and engine URLs configured by `sync` and `model`.
     Pure. `backend`/`device`: "gloo"/"cpu", or "nccl"/"cuda" where the trainers' models live on GPUs (buckets are
     packed on the device and CUDA IPC handles travel). `canary_prompts`: the draft canary's prompts as token ids (needed
-    when `sync.draft_canary` is on)."""
+    when `sync.draft_canary` is on). `gate`: the router whose worker list follows the syncs (a RouterClient; it
+    connects from inside the actor)."""
     settings = SenderSettings(
         transport=sync.transport.value,
         bucket_bytes=sync.bucket_bytes,
@@ -85,6 +88,8 @@ def controller_args(
             min_ratio=sync.draft_canary_min_ratio,
             prompts=tuple(tuple(p) for p in canary_prompts),
         ),
+        "gate": gate,
+        "version_file": sync.version_file,
     }
 
 
@@ -104,6 +109,7 @@ def create_controller(
     options: dict[str, Any] | None = None,
     timeout_s: float = 120.0,
     canary_prompts: Sequence[Sequence[int]] = (),
+    gate: TrafficGate | None = None,
 ) -> Any:
     """Start the controller actor and connect it to every trainer rank and engine; returns its handle.
 
@@ -128,6 +134,7 @@ def create_controller(
         device=device,
         show_progress=show_progress,
         canary_prompts=canary_prompts,
+        gate=gate,
     )
     # An async actor (one event loop for its engine clients); it computes nothing, so it needs no CPU of its own.
     remote_class = ray.remote(SyncController)

@@ -21,7 +21,8 @@ from actors.trainer import TrainerGroup, create_trainers
 from launch.sglang_venv import SGLANG_VENV_PYTHON
 from miles_sync.config import MilesSyncConfig, SyncMode
 from miles_sync.engine.kinds import engine_spec
-from miles_sync.env import node_of_url
+from miles_sync.engine.router import RouterClient, RouterProcess, RouterSpec
+from miles_sync.env import bind_host, node_of_url
 from miles_sync.job.placement import job_feed_plan, job_placement
 from miles_sync.job.resolve import engine_device, engine_settings, resolve_job, trainer_lora
 from miles_sync.job.rl import make_prompts
@@ -41,6 +42,9 @@ class JobActors:
     trainers: TrainerGroup
     controller: Any
     nodes: dict[str, Any]  # where each trainer rank and engine runs (node_record; report.json's machine.nodes)
+    router: RouterClient | None = None  # the router every rollout goes through (rollout.router); None: none
+    # engines.join_at_round: launches one more engine of the job's kind (stopped with the rest); returns its URL.
+    start_joiner: Callable[[], str] | None = None
 
 
 @contextlib.contextmanager
@@ -70,21 +74,28 @@ def start_job_actors(
                 f"and {config.trainer.world_size} trainer rank(s) ({config.trainer.layout_name})"
             )
 
-        def start_engines() -> EngineGroup | None:
+        sglang = config.engines.sglang_python or (str(SGLANG_VENV_PYTHON) if SGLANG_VENV_PYTHON.is_file() else None)
+
+        def start_engines(count: int = config.engines.count, placement: Any = placed) -> EngineGroup | None:
             if config.engines.urls:
                 return None
-            sglang = str(SGLANG_VENV_PYTHON) if SGLANG_VENV_PYTHON.is_file() else None
-            settings = engine_settings(
-                job, device=engine_device(config.engines.device), sglang_python=config.engines.sglang_python or sglang
-            )
+            settings = engine_settings(job, device=engine_device(config.engines.device), sglang_python=sglang)
             return create_engines(
-                specs=[engine_spec(config.engines.kind, settings)] * config.engines.count,
+                specs=[engine_spec(config.engines.kind, settings)] * count,
                 log_dir=log_dir.resolve(),
-                placement=placed,
+                placement=placement,
                 bind_host=config.cluster.bind_host,
                 http_timeout_s=config.sync.http_timeout_s,
                 timeout_s=_START_TIMEOUT_S,
             )
+
+        def start_joiner() -> str:
+            # Outside the placement groups (sized for engines.count); the job's distributed transport needs no
+            # trainer rank beside it (config refuses join_at_round with a transport that would).
+            group = start_engines(count=1, placement=None)
+            assert group is not None  # join_at_round needs launched engines (config)
+            stack.callback(group.shutdown)
+            return group.urls[0]
 
         # Engines and trainer ranks start at once: each side spends most of its start-up importing.
         with _Background(start_engines) as engine_start:
@@ -107,6 +118,7 @@ def start_job_actors(
         if engines is not None:
             stack.callback(engines.shutdown)
         urls = config.engines.urls if engines is None else engines.urls
+        router = stack.enter_context(_router(config, python=sglang, log_dir=log_dir, log=log))
         controller = create_controller(
             trainers=trainers.actors,
             engine_urls=urls,
@@ -118,6 +130,7 @@ def start_job_actors(
             # The canary's prompts come from the task the draft predicts (round 0's): on them the baseline is high
             # enough that a collapse shows.
             canary_prompts=make_prompts(0, num_prompts=config.rollout.num_prompts, length=config.rollout.prompt_length),
+            gate=router,
         )
         stack.callback(_close_controller, controller)
         sources = [info for info in trainers.ranks if info.is_source]  # one per pipeline stage
@@ -131,7 +144,52 @@ def start_job_actors(
         nodes = node_record(trainers, engines, urls=urls)
         log("nodes: " + ", ".join(f"trainer rank {r['rank']} on {r['node']}" for r in nodes["trainer_ranks"]))
         log("nodes: " + ", ".join(f"engine {e['url']} on {e['node']}" for e in nodes["engines"]))
-        yield JobActors(urls=tuple(urls), engines=engines, trainers=trainers, controller=controller, nodes=nodes)
+        if router is not None:
+            log(f"rollouts go through the router at {router.url}: {len(urls)} engine(s) admitted")
+        yield JobActors(
+            urls=tuple(urls),
+            engines=engines,
+            trainers=trainers,
+            controller=controller,
+            nodes=nodes,
+            router=router,
+            start_joiner=None if config.engines.join_at_round is None else start_joiner,
+        )
+
+
+@contextlib.contextmanager
+def _router(
+    config: MilesSyncConfig, *, python: str | None, log_dir: Path, log: Callable[[str], None]
+) -> Iterator[RouterClient | None]:
+    """The router of `rollout.router`: the user's (`rollout.router_url`), or sglang-router started here on this
+    node's address and stopped on exit; None without one. Its worker list starts empty: the controller admits the
+    engines that serve when it connects."""
+    rollout = config.rollout
+    if not rollout.router:
+        yield None
+        return
+    if rollout.router_url is not None:
+        log(f"using the router at {rollout.router_url}")
+        yield RouterClient(rollout.router_url, timeout_s=config.sync.http_timeout_s)
+        return
+    if python is None:
+        raise RuntimeError(
+            "rollout.router=true starts sglang-router from the SGLang venv, which is missing: run "
+            "`bash launch/install_sglang.sh` (or set engines.sglang_python, or give rollout.router_url)"
+        )
+    host = bind_host(override=config.cluster.bind_host, node_ip=ray.util.get_node_ip_address())
+    process = RouterProcess(
+        spec=RouterSpec(python=python, policy=rollout.router_policy),
+        log_dir=log_dir.resolve(),
+        host=host,
+        timeout_s=config.sync.http_timeout_s,
+    )
+    client = process.start()
+    log(f"started sglang-router at {client.url} (policy {rollout.router_policy})")
+    try:
+        yield client
+    finally:
+        process.stop()
 
 
 def _close_controller(controller: Any) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the released SGLang 0.5.23 server into its own venv (.venv-sglang) for
-# the real-SGLang test tier and CPU runs of `engines.kind=sglang`. Never into .venv: sglang's metadata pins a CUDA
+# Installs the released SGLang 0.5.23 server and the SGLang router (sglang-router 0.3.2) into their own venv
+# (.venv-sglang) for the real-SGLang test tier, the router tests, CPU runs of `engines.kind=sglang` and
+# `rollout.router=true`. Never into .venv: sglang's metadata pins a CUDA
 # build of torch (2.14.1) and transformers 5, and miles_sync does not depend on sglang. Idempotent (a stamp of the
 # install inputs skips work on re-runs). On a GPU node install SGLang as its own docs say instead.
 #
@@ -41,6 +42,9 @@ step "torch (CPU build) and sglang 0.5.23 (first run takes a few minutes)"
     zstandard distro easydict python-dateutil blobfile gguf dill apache-tvm-ffi loguru jsonschema \
     openai-harmony anthropic mistral_common soundfile 2>&1 | quiet
 
+# The SGLang router (rollout.router=true; miles_sync.engine.router): its dependencies are among the ones above.
+"${pip[@]}" --no-deps sglang-router 2>&1 | quiet
+
 # The server is started through miles_sync.engine.sglang_launch (stdlib only): miles_sync without its deps.
 "${pip[@]}" --no-deps -e . 2>&1 | quiet
 
@@ -54,6 +58,8 @@ echo "import os; os.environ.get('MILES_SYNC_SGLANG_CPU_SHIM') == '1' and __impor
 step "checking that sglang.launch_server imports"
 MILES_SYNC_SGLANG_CPU_SHIM=1 SGLANG_USE_CPU_ENGINE=1 "$py" -c "import sglang.launch_server, sglang.srt.entrypoints.http_server, miles_sync.engine.sglang_launch" \
     || fail "importing sglang.launch_server in $venv (run the line above by hand to see why)"
+"$py" -c "import sglang_router.router, sglang_router.router_args, miles_sync.engine.router_launch" \
+    || fail "importing the SGLang router in $venv (run the line above by hand to see why)"
 torch_version=$("$py" -c "import torch; print(torch.__version__)")
 case "$torch_version" in
     *+cpu) ;;

@@ -19,7 +19,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -126,6 +126,9 @@ class _Fleet:
     def __init__(self, config: MilesSyncConfig, actors: JobActors, *, log: Callable[[str], None]) -> None:
         self._config = config
         self._urls = actors.urls
+        self._router = actors.router
+        self._start_joiner = actors.start_joiner
+        self._num_route_changes = 0  # the controller's route changes already in a round's record
         self.nodes = actors.nodes  # where each trainer rank and engine runs (report.json)
         self._trainers = actors.trainers
         self._controller = actors.controller
@@ -167,10 +170,15 @@ class _Fleet:
     def weight_version(self) -> str:
         return ray.get(self._controller.status.remote(), timeout=self._config.sync.http_timeout_s).weight_version
 
+    @property
+    def _rollout_urls(self) -> tuple[str, ...]:
+        """Where each engine's share of a round's requests goes: the engine, or the router (which picks one)."""
+        return self._urls if self._router is None else (self._router.url,) * len(self._urls)
+
     def rollouts(self, index: int) -> list[Sample]:
         """Round `index`'s samples (miles_sync.job.rollouts.round_requests), with the engines' log-probs."""
         return generate_rollouts(
-            self._urls,
+            self._rollout_urls,
             round_requests(self._config, index, num_engines=len(self._urls)),
             api_key=self._config.engines.api_key,
             timeout_s=self._config.sync.http_timeout_s,
@@ -181,7 +189,8 @@ class _Fleet:
         """What `samples` show, with the trainer's log-probs of every sampled token under its current weights."""
         batch = score_batch(samples, temperature=self._config.rollout.temperature)
         scored = self._trainers.completion_logprobs(batch, timeout_s=self._sync_timeout_s)
-        return rollout_stats(samples, scored, urls=self._urls, version=version)
+        urls = self._urls if self._router is None else (self._router.url,)  # behind a router: one reward
+        return rollout_stats(samples, scored, urls=urls, version=version)
 
     def round(self, index: int, previous: Sequence[Sample]) -> tuple[RoundRecord, list[Sample]]:
         steps = self._trainers.train_step(grpo_batch(previous), timeout_s=self._sync_timeout_s)
@@ -189,22 +198,49 @@ class _Fleet:
         if len(losses) != 1:  # tensor-parallel ranks compute one loss; anything else is a broken group
             raise RuntimeError(f"round {index}: trainer ranks computed different losses {sorted(losses)}")
         loss, step = steps[0].loss, steps[0].step
+        joined = self._join(index)
         if not self._config.sync.enabled:  # the control run: the engines keep what they serve
             version = self.weight_version()
             samples = self.rollouts(index)
             stats = self.rollout_stats(samples, version=version)
             return unsynced_round_record(index, version=version, loss=loss, trainer_step=step, rollouts=stats), samples
         report = self._sync_with_progress()
+        routing = self._routing(joined=joined)
         if report.committed and self._config.sync.mode is SyncMode.LORA:
             self._lora_path = adapter_name(self._config.sync.lora.name, report.version)
         # A canary in hold mode paused the engines it flagged: no rollouts go to them, and the run stops.
         is_held = bool(report.canary_flagged) and self._config.sync.draft_canary is CanaryMode.HOLD
         if not report.committed or is_held:
             self._log(report.summary())
-            return round_record(index, report, loss=loss, trainer_step=step, rollouts=None), []
+            return replace(round_record(index, report, loss=loss, trainer_step=step, rollouts=None), **routing), []
         samples = self.rollouts(index)
         stats = self.rollout_stats(samples, version=report.version)
-        return round_record(index, report, loss=loss, trainer_step=step, rollouts=stats), samples
+        return replace(round_record(index, report, loss=loss, trainer_step=step, rollouts=stats), **routing), samples
+
+    def _join(self, index: int) -> tuple[str, ...]:
+        """engines.join_at_round: before round `index`'s sync, launch one more engine and add it to the fleet
+        (paused, not routed, stale until that sync verifies on it). The joiner's URL, or () on other rounds."""
+        if self._start_joiner is None or index != self._config.engines.join_at_round:
+            return ()
+        url = self._start_joiner()
+        ray.get(self._controller.add_engine.remote(url), timeout=self._sync_timeout_s)
+        self._urls = (*self._urls, url)
+        self._log(f"round {index}: engine {url} joined the fleet; it serves once this round's sync verifies on it")
+        return (url,)
+
+    def _routing(self, *, joined: tuple[str, ...]) -> dict:
+        """The round record's fleet fields: the engines, those routed, and the router's changes since last round."""
+        status = ray.get(self._controller.status.remote(), timeout=self._config.sync.http_timeout_s)
+        changes = status.route_changes[self._num_route_changes :]
+        self._num_route_changes = len(status.route_changes)
+        for change in changes:
+            self._log(f"  router: {change.action.value} {change.url} ({change.reason})")
+        return {
+            "engines": status.engine_urls,
+            "routed_engines": status.routed_engines,
+            "route_changes": tuple(f"{c.action.value} {c.url}: {c.reason}" for c in changes),
+            "joined": joined,
+        }
 
     def _sync_with_progress(self) -> SyncReport:
         """One sync on the controller; meanwhile a per-bucket bar on this driver, fed by polling the controller."""

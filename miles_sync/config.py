@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from miles_sync.engine.kinds import EngineKind
+from miles_sync.engine.router import ROUTER_POLICIES
 from miles_sync.engine.settings import EngineSettings, FinalizePolicy, LoraSettings
 from miles_sync.engine.sglang import sglang_speculative_problems
 from miles_sync.env import bind_host
@@ -32,7 +33,7 @@ from miles_sync.export.registry import ConversionMode
 from miles_sync.megatron.parallel_layout import parallel_layout_problems
 from miles_sync.sync.draft_canary import CanaryMode
 from miles_sync.sync.selector import SelectorMode, selector_input_problems
-from miles_sync.transport.base import TransportKind
+from miles_sync.transport.base import TransportKind, transport_spec
 from miles_sync.weights.fp8 import DEFAULT_BLOCK, Fp8Block, Quantization
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.codec import WireEnum, decode, encode
@@ -127,6 +128,10 @@ class SyncConfig:
     # False: the job trains exactly as usual but never syncs, so the engines keep serving the checkpoint (the
     # control run: whatever the rollouts' reward does then did not come through the sync).
     enabled: bool = True
+    # A file every committed version is written to and read from at connect: for a long-lived fleet (engines.urls)
+    # whose controller restarts, so that versions continue even when every engine restarted too (then none reports
+    # one). None: the engines' answers alone (a launched fleet is new with every job).
+    version_file: str | None = None
     # fp8_block: the source quantizes every linear weight to float8_e4m3fn with one float32 weight_scale_inv per
     # fp8_block ([rows, cols]) after the gather, and launched engines serve the block-FP8 copy of the checkpoint.
     # fp8_block None: 128x128, or the largest smaller square power-of-two block that divides every TP partition
@@ -246,9 +251,16 @@ class EngineConfig:
     # launch/install_sglang.sh where it exists, else this interpreter).
     device: str = "auto"
     sglang_python: str | None = None
+    # The elastic-fleet demo: launch one more engine before round N's sync and add it to the fleet
+    # (SyncController.add_engine); it serves, and is routed, only after that sync verified on it. None: no joiner.
+    join_at_round: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
+        if self.join_at_round is not None and self.join_at_round < 1:
+            problems.append(f"join_at_round={self.join_at_round} must be a round number (1 or more)")
+        if self.join_at_round is not None and self.urls:
+            problems.append("join_at_round launches the joiner: it needs launched engines, not engines.urls")
         if self.device not in _ENGINE_DEVICES:
             problems.append(f"device={self.device!r} must be one of {', '.join(_ENGINE_DEVICES)}")
         if self.count < 1:
@@ -378,6 +390,11 @@ class RolloutConfig:
     samples_per_prompt: int = 4
     max_new_tokens: int = 24
     temperature: float = 1.0
+    # Send every rollout through the SGLang router (miles_sync.engine.router), whose worker list follows each
+    # sync's verdict (miles_sync.sync.routing); false: engine by engine, to the engines that serve.
+    router: bool = False
+    router_url: str | None = None  # a router the user runs; None: the job starts one (rollout.router=true)
+    router_policy: str = "round_robin"  # the router's load-balancing policy (a router the job starts)
 
     def __post_init__(self) -> None:
         counts = {
@@ -389,6 +406,12 @@ class RolloutConfig:
         problems = [f"{name}={value} must be at least 1" for name, value in counts.items() if value < 1]
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature={self.temperature} must be a non-negative number")
+        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
+            problems.append(f"router_url={self.router_url!r} must start with http:// or https://")
+        if self.router_url is not None and not self.router:
+            problems.append(f"router_url={self.router_url!r} is set but router=false: set router=true to use it")
+        if self.router_policy not in ROUTER_POLICIES:
+            problems.append(f"router_policy={self.router_policy!r} must be one of {', '.join(ROUTER_POLICIES)}")
         raise_if(problems)
 
 
@@ -469,6 +492,16 @@ class MilesSyncConfig:
                 f"sync.draft_canary={self.sync.draft_canary.value} measures a draft's accept length; "
                 "engines.draft_kind is none"
             )
+        if self.engines.join_at_round is not None:
+            if self.engines.join_at_round > self.num_rounds:
+                problems.append(f"engines.join_at_round={self.engines.join_at_round} is after the last round")
+            if not self.sync.enabled:
+                problems.append("engines.join_at_round needs sync.enabled: a joiner serves once a sync verified it")
+            if transport_spec(self.sync.transport).feeds_from_every_rank:
+                problems.append(
+                    f"engines.join_at_round with sync.transport={self.sync.transport.value}: the joiner is launched "
+                    "outside the placement groups, with no trainer rank beside it to feed it; use distributed"
+                )
         if self.engines.kind is EngineKind.SGLANG and not self.engines.urls:  # what the launched servers would refuse
             problems += [
                 f"engines.kind=sglang: {p} (model.speculative_algorithm, engines.draft_kind)"

@@ -16,6 +16,8 @@ class LaunchCommand:
     argv: tuple[str, ...]
     url: str | None
     env: Mapping[str, str] = field(default_factory=dict, repr=False)  # added to the server's environment; secrets
+    # GET path answering 200 once the server serves: an engine's generates one real token; a router's only answers.
+    ready_path: str = "/health_generate"
 
 
 def reserve_port(host: str) -> int:

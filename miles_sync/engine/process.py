@@ -1,9 +1,9 @@
 """Start, watch, stop and restart one engine server as a subprocess.
 
 The spec (`miles_sync.engine.kinds.engine_spec`) decides the command; this module never branches on the kind. It
-waits for GET /health_generate to answer 200 (one real token generated), with a timeout, and tears the process down
-if anything fails. The server runs in its own session (process group), so `stop` reaches SGLang's child processes
-too: SIGTERM, then SIGKILL after `stop_timeout_s`.
+waits for the command's `ready_path` (an engine's GET /health_generate: one real token generated) to answer 200,
+with a timeout, and tears the process down if anything fails. The server runs in its own session (process group),
+so `stop` reaches SGLang's child processes too: SIGTERM, then SIGKILL after `stop_timeout_s`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class EngineLauncher:
             )
         try:
             self._url = command.url if command.url is not None else self._read_url(deadline)
-            self._wait_healthy(deadline)
+            self._wait_healthy(deadline, command.ready_path)
         except BaseException:
             self.stop()
             raise
@@ -179,7 +179,7 @@ class EngineLauncher:
             )
         return found[0]
 
-    def _wait_healthy(self, deadline: float) -> None:
+    def _wait_healthy(self, deadline: float, ready_path: str) -> None:
         # No proxies: the server is local, and an environment proxy must never see loopback traffic.
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         last = "no answer yet"
@@ -193,7 +193,7 @@ class EngineLauncher:
                     f"engine at {self._url} not healthy within {self._startup_timeout_s} s ({last}):\n{self.log_tail()}"
                 )
             try:
-                with opener.open(self._url + "/health_generate", timeout=max(0.5, min(remaining, 30.0))) as response:
+                with opener.open(self._url + ready_path, timeout=max(0.5, min(remaining, 30.0))) as response:
                     if response.status == 200:
                         return
                     last = f"HTTP {response.status}"

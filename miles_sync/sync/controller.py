@@ -5,8 +5,12 @@ session completed on every engine and the lease was still held. After a failed s
 transport down; the controller plans a new membership (new group name, port from the OS) at the next sync. An
 engine that may hold partial weights is held: left paused (never reset), reported with the reason, and resumed by
 the first later sync that verifies on it. Held engines, and engines that joined (or restarted) since the last
-successful sync, are stale until a sync succeeds on them: `serving_engines` leaves them out. `status()` reads
-all of that state at once (`ControllerStatus`), which is what a Ray actor's caller asks for.
+successful sync, are stale until a sync succeeds on them: `serving_engines` leaves them out. An engine that stops
+answering during a failed sync is held too (whatever restarts at its URL loads the checkpoint). `add_engine` and
+`remove_engine` change the fleet between syncs (the update group is re-created at the next sync). With a `gate` (a
+router in front of the engines) the router's worker list follows every verdict: held engines are withdrawn before
+anything resumes, engines admitted once they serve the committed weights (miles_sync.sync.routing). `status()`
+reads all of that state at once (`ControllerStatus`), which is what a Ray actor's caller asks for.
 
 `mechanism_check=True` (opt-in) proves the update mechanism once, on the controller's first sync while the fleet is
 at version 0 (no sync ever committed to it, usually version 0 -> 1): the session snapshots the engines' weights,
@@ -23,10 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from miles_sync.engine.client import CONTROL_ENDPOINTS, EngineClient
@@ -47,6 +54,7 @@ from miles_sync.sync.lease import LeaseLostError, SyncLease
 from miles_sync.sync.lora import adapter_name, run_lora_sync_session
 from miles_sync.sync.pipeline import stage_group_names
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
+from miles_sync.sync.routing import RouteAction, RouteChange, TrafficGate, apply_gate, plan_routing
 from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
 from miles_sync.sync.weight_source import WeightSource
 from miles_sync.transport.base import TransportSpec, transport_spec
@@ -103,6 +111,8 @@ class ControllerStatus:
     membership: GroupMembership | None  # the first stage's (the only one without pipeline stages)
     trainer_ranks: tuple[Any, ...]
     memberships: tuple[GroupMembership, ...] = ()  # one per pipeline stage
+    routed_engines: tuple[str, ...] = ()  # the router's worker list as the controller set it (empty: no router)
+    route_changes: tuple[RouteChange, ...] = ()  # every change of it so far, oldest first
 
 
 class SyncController:
@@ -129,10 +139,16 @@ class SyncController:
         quantization: Fp8Block | None = None,
         lora_name: str | None = None,
         draft_canary: CanarySettings | None = None,
+        gate: TrafficGate | None = None,
+        version_file: str | None = None,
     ) -> None:
         """`lora_name`: sync LoRA adapters under this engine adapter name (miles_sync.sync.lora: the source's
         `adapter_payload`, never the base); None: full syncs. `draft_canary`: the acceptance canary after every
-        committed sync (miles_sync.sync.draft_canary); None: none."""
+        committed sync (miles_sync.sync.draft_canary); None: none. `gate`: the router in front of the engines,
+        whose worker list follows every sync's verdict (miles_sync.sync.routing); None: no router. `version_file`:
+        where every committed version is written (atomically), and read at connect, so that numbering continues
+        after a controller restart even when every engine restarted too (they then report no version); None: the
+        engines' answers alone."""
         self._spec = _checked_spec(
             engine_urls,
             source=source,
@@ -161,6 +177,8 @@ class SyncController:
         self._show_progress = show_progress
         self._canary = CanarySettings() if draft_canary is None else draft_canary
         self._lora_name = lora_name
+        self._gate = gate
+        self._version_file = version_file
         self._start_empty()
 
     def _start_empty(self) -> None:
@@ -190,6 +208,8 @@ class SyncController:
         self._group_names: tuple[str, ...] = ()
         self._trainer_ranks: tuple[Any, ...] = ()
         self._lora_served: dict[str, str] = {}  # engine URL -> the adapter name it serves (the last committed)
+        self._routed: set[str] = set()  # engines the gate admitted and has not withdrawn since
+        self._route_changes: list[RouteChange] = []
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -256,7 +276,14 @@ class SyncController:
             membership=self.membership,
             memberships=self.memberships,
             trainer_ranks=self.trainer_ranks,
+            routed_engines=self.routed_engines,
+            route_changes=tuple(self._route_changes),
         )
+
+    @property
+    def routed_engines(self) -> tuple[str, ...]:
+        """The engines the router may send requests to (admitted, not withdrawn since); empty without a router."""
+        return tuple(u for u in self._urls if u in self._routed)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
@@ -279,7 +306,11 @@ class SyncController:
         self._stale = {u for u, v in versions.items() if v != common}
         # A restarted controller continues the engines' numbering instead of reissuing versions they served.
         numeric = [int(v) for v in versions.values() if v.isdecimal()]
-        self._version = self._last_attempt = max(numeric, default=0)
+        persisted = 0 if self._version_file is None else read_committed_version(self._version_file)
+        self._version = self._last_attempt = max([*numeric, persisted])
+        warnings = await self._reconcile_routes(reason="connect", whole_fleet=True)
+        if warnings:
+            raise RuntimeError("; ".join(warnings))  # a router that cannot take the fleet fails the start
         return self._trainer_ranks
 
     async def _read_draft_baselines(self, urls: Sequence[str]) -> None:
@@ -370,6 +401,9 @@ class SyncController:
         if new_url in self._urls and new_url != old_url:
             raise ValueError(f"engine {new_url} is already in this controller's fleet")
         async with self._lease.hold(f"replace_engine {old_url}", timeout_s=self._lease_wait_s):
+            warnings = await self._route(withdraw=[old_url], admit=[], reasons={old_url: f"replaced by {new_url}"})
+            if warnings:
+                raise RuntimeError("; ".join(warnings))  # still routed: it must not leave the fleet unwatched
             old = self._clients.pop(old_url, None)
             if old is not None:
                 await old.close()
@@ -385,6 +419,57 @@ class SyncController:
             self._canary_baselines.pop(old_url, None)
             await self._read_canary_baselines([new_url])
             self._stale.add(new_url)
+            await self._close_group()
+
+    async def add_engine(self, url: str) -> None:
+        """A new engine joins the fleet between syncs. It is stale, so it gets no routed traffic and is not in
+        `serving_engines`, until a sync verifies on it; the next sync sends it the full weights at that sync's
+        version, like every engine, and re-creates the update group (membership changed). Groups are never changed
+        during a sync (the lease is held here): a rendezvous includes exactly the engines the session pauses.
+
+        Decided: a joiner waits for the fleet's next sync rather than taking a catch-up copy of the committed
+        version, because the trainer's weights may already have moved past what was committed (a training step
+        since), and only one version may be served per fleet. It is paused here, before the router could list it,
+        so that nothing it generates before that sync reaches a caller that asks the engine directly."""
+        url = url.rstrip("/")
+        if url in self._urls:
+            raise ValueError(f"engine {url} is already in this controller's fleet")
+        async with self._lease.hold(f"add_engine {url}", timeout_s=self._lease_wait_s):
+            await self._connect_engine(url)
+            try:
+                self._source.check_engines([EngineEndpoint(url=url, tp_size=self._tp_sizes[url])])
+                await self._clients[url].pause_generation(self._pause_mode, timeout_s=self._timeouts.control_s)
+                if self._verify:
+                    await self._read_draft_baselines([url])
+                await self._read_canary_baselines([url])
+            except BaseException:
+                client = self._clients.pop(url)
+                self._tp_sizes.pop(url, None)
+                await client.close()
+                raise
+            self._urls.append(url)
+            self._stale.add(url)
+            self._held[url] = "joined: waits for a sync that verifies on it"
+            await self._close_group()
+
+    async def remove_engine(self, url: str) -> None:
+        """Drain an engine out of the fleet between syncs: the router stops routing to it first (requests it holds
+        finish on it), then it leaves the fleet and the update group is re-created at the next sync. The engine
+        itself keeps running; stopping it is its owner's call."""
+        url = url.rstrip("/")
+        if url not in self._urls:
+            raise ValueError(f"engine {url} is not in this controller's fleet {self._urls}")
+        async with self._lease.hold(f"remove_engine {url}", timeout_s=self._lease_wait_s):
+            warnings = await self._route(withdraw=[url], admit=[], reasons={url: "removed from the fleet"})
+            if warnings:
+                raise RuntimeError("; ".join(warnings))
+            self._urls.remove(url)
+            client = self._clients.pop(url, None)
+            if client is not None:
+                await client.close()
+            for state in (self._held, self._baselines, self._draft_baselines, self._canary_baselines, self._tp_sizes):
+                state.pop(url, None)
+            self._stale.discard(url)
             await self._close_group()
 
     async def close(self) -> None:
@@ -456,6 +541,7 @@ class SyncController:
                         mechanism_check=mechanism_check,
                         quantization=self._quantization,
                         draft_baselines=self._draft_baselines,
+                        before_resume=None if self._gate is None else self._withdraw_before_resume,
                     )
                 finally:
                     bar.close()
@@ -471,6 +557,10 @@ class SyncController:
                 report = await self._run_canary(report)
             if not report.committed:
                 await self._destroy_engine_groups()  # the session already closed the source's side, if it could
+                await self._hold_unreachable(report)
+            routing = await self._reconcile_routes(reason=f"sync v{version}")
+            if routing:
+                report = replace(report, warnings=(*report.warnings, *routing))
         if not report.committed and raise_on_failure:
             raise SyncError(report)
         return report
@@ -591,6 +681,61 @@ class SyncController:
             return_exceptions=True,
         )
 
+    async def _hold_unreachable(self, report: SyncReport) -> None:
+        """After a failed sync, an engine that failed a step and no longer answers at all (it died) is held like
+        one that may hold partial weights: whatever comes back at its URL (a restart loads the checkpoint, not the
+        fleet's version) is stale until a sync verifies on it, and a router stops routing to it."""
+        suspects = [e.url for e in report.engines if not e.success and e.url not in self._held]
+        answers = await asyncio.gather(
+            *(self._clients[u].server_info(timeout_s=self._timeouts.control_s) for u in suspects),
+            return_exceptions=True,
+        )
+        for url, answer in zip(suspects, answers):
+            if isinstance(answer, BaseException):
+                self._stale.add(url)
+                self._held[url] = f"sync v{report.version}: unreachable ({str(answer) or type(answer).__name__})"
+                self._baselines.pop(url, None)
+
+    async def _withdraw_before_resume(self, held: Sequence[str]) -> list[str]:
+        """The session's hook between its verdict and its resume: every engine it leaves paused leaves the router
+        first. Returns warnings; never raises."""
+        reasons = {u: f"held before the resume of v{self._last_attempt}" for u in held}
+        return await self._route(withdraw=[u for u in held if u in self._routed], admit=[], reasons=reasons)
+
+    async def _reconcile_routes(self, *, reason: str, whole_fleet: bool = False) -> list[str]:
+        """Bring the router's worker list to the serving engines (miles_sync.sync.routing.plan_routing);
+        `whole_fleet`: assume nothing about what the router lists (at connect: a router may list engines this
+        controller never admitted). Returns warnings; never raises."""
+        if self._gate is None:
+            return []
+        routed = set(self._urls) if whole_fleet else self._routed
+        plan = plan_routing(fleet=self._urls, routed=routed, serving=self.serving_engines)
+        admit = [*plan.admit, *(u for u in self.serving_engines if whole_fleet and u not in plan.admit)]
+        reasons = {u: self._held.get(u, f"not serving the committed version ({reason})") for u in plan.withdraw}
+        reasons |= {u: f"serving v{self._weight_version or 'start'} ({reason})" for u in admit}
+        return await self._route(withdraw=plan.withdraw, admit=admit, reasons=reasons)
+
+    async def _route(self, *, withdraw: Sequence[str], admit: Sequence[str], reasons: dict[str, str]) -> list[str]:
+        """Withdraw first (all at once), then admit; records each change that took. Never raises."""
+        if self._gate is None:
+            return []
+        warnings = []
+        for urls, action in ((withdraw, RouteAction.WITHDRAWN), (admit, RouteAction.ADMITTED)):
+            results = await asyncio.gather(
+                *(apply_gate(self._gate, u, action=action, timeout_s=self._timeouts.control_s) for u in urls)
+            )
+            for url, warning in zip(urls, results):
+                if warning is not None:
+                    warnings.append(warning)
+                    continue
+                if action is RouteAction.ADMITTED:
+                    self._routed.add(url)
+                else:
+                    self._routed.discard(url)
+                change = RouteChange(url=url, action=action, version=self._weight_version, reason=reasons[url])
+                self._route_changes.append(change)
+        return warnings
+
     def _record(self, report: SyncReport) -> None:
         for engine in report.engines:
             if engine.is_stale:
@@ -608,6 +753,8 @@ class SyncController:
         if report.committed:
             self._version = int(report.version)
             self._weight_version = report.version
+            if self._version_file is not None:
+                write_committed_version(self._version_file, self._version)
         else:
             # The session tore the transport down on failure; the next sync re-creates it.
             self._is_open = False
@@ -630,6 +777,31 @@ class SyncController:
             ),
             error=error,
         )
+
+
+def read_committed_version(path: str) -> int:
+    """The version a `version_file` holds; 0 when there is none yet. Raises ValueError for a file that is not one
+    (never silently restarts the numbering)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return 0
+    try:
+        version = int(json.loads(text)["committed_version"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"version file {path} does not hold a committed version: {text[:200]!r}") from exc
+    if version < 0:
+        raise ValueError(f"version file {path} holds a negative version {version}")
+    return version
+
+
+def write_committed_version(path: str, version: int) -> None:
+    """Replace `path`'s content with `version` atomically (a crash leaves the old file or the new, never half)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    scratch.write_text(json.dumps({"committed_version": version}) + "\n")
+    os.replace(scratch, target)
 
 
 def _checked_spec(

@@ -229,10 +229,11 @@ async def run_in_frame(
     pause_mode: PauseMode,
     after_failure: Callable[[], Awaitable[None]] | None = None,
     settle: Callable[[], Awaitable[None]] | None = None,
+    before_resume: Callable[[Sequence[str]], Awaitable[list[str]]] | None = None,
 ) -> None:
     """The bracket: `flow` under the session's deadline (complete when it returns), `after_failure` when it raised
-    (its error goes into `run`), `settle` either way, then the resume of every engine that may serve, always. Never
-    raises for a failed sync."""
+    (its error goes into `run`), `settle` either way, then `before_resume` with the engines that stay paused (its
+    warnings into `run`) and the resume of every engine that may serve, always. Never raises for a failed sync."""
     try:
         try:
             await asyncio.wait_for(flow(), timeout=sync_s)
@@ -246,6 +247,12 @@ async def run_in_frame(
             await settle()
     finally:
         with clock.phase("resume"):
+            paused = [e.url for e in fleet.engines if fleet.is_stale(e.url)]
+            if before_resume is not None and paused:
+                try:
+                    run.warnings.extend(await before_resume(paused))
+                except Exception as exc:  # the hook promises not to raise; the resume must run whatever it does
+                    run.warnings.append(f"before the resume: {exc}")
             await fleet.resume()
             if pause_mode is PauseMode.IN_PLACE:
                 run.warnings.extend(await fleet.flush_after_in_place_resume())

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from miles_sync.export.registry import ConversionMode
@@ -127,10 +127,13 @@ async def run_sync_session(
     mechanism_check: bool = False,
     quantization: Fp8Block | None = None,
     draft_baselines: Mapping[str, DraftDigests] | None = None,
+    before_resume: Callable[[Sequence[str]], Awaitable[list[str]]] | None = None,
 ) -> SyncReport:
     """One session (module docstring). `baselines`: per engine, its checksum answer when the last sync verified on
     it; `held`: engines paused since an earlier failure; `draft_baselines`: per engine, its draft digests (the draft
-    guard); `quantization`: what the source sends. Never raises for a failed sync: it is in the report."""
+    guard); `quantization`: what the source sends; `before_resume`: called with the engines that stay paused once
+    the verdict is known and before any engine resumes (a router withdraws them: miles_sync.sync.routing), its
+    warnings go into the report. Never raises for a failed sync: it is in the report."""
     fleet = FleetSteps(engines, timeout_s=timeouts.control_s, last_step=_last_step(verify, mechanism_check), held=held)
     clock, run = PhaseClock(), SessionRun()
 
@@ -160,6 +163,7 @@ async def run_sync_session(
         sync_s=timeouts.sync_s,
         pause_mode=pause_mode,
         after_failure=lambda: _abandon(fleet, source=source, selector=run.selector, baselines=baselines or {}),
+        before_resume=before_resume,
     )
     return session_report(
         fleet,

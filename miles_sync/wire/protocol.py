@@ -12,6 +12,7 @@ keys than these records, so clients decode them with `allow_unknown=True`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 from collections.abc import Mapping
@@ -37,6 +38,7 @@ __all__ = [
     "FlushCacheRequest",
     "FlushCacheResult",
     "GenerateMetaInfo",
+    "GENERATE_DEFAULTS_ONLY",
     "GenerateRequest",
     "GenerateResponse",
     "GenerationControlResult",
@@ -67,8 +69,10 @@ __all__ = [
     "checksum_role",
     "decode",
     "encode",
+    "generate_request_fields",
     "role_kind",
     "selector_roles",
+    "unserved_generate_keys",
 ]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -474,6 +478,47 @@ class GenerateRequest:
             raise ValueError(f"exactly one of input_ids and text must be given, got {given}")
 
 
+# SGLang 0.5.23's GenerateReqInput fields (srt/managers/io_struct.py:177) that change what /generate does or answers
+# and that GenerateRequest does not carry -> their defaults. SGLang's /generate body is that dataclass under FastAPI,
+# which ignores keys it does not know; the SGLang router (sglang-router 0.3.2) posts every request with `model`
+# (not a field: ignored) and `stream`, `log_metrics`, `return_hidden_states`, `background`, `no_logs`,
+# `return_bytes`, `return_entropy` at these defaults. An engine that implements none of them takes a body whose
+# values are these defaults and refuses any other value (`unserved_generate_keys`), never silently ignoring one.
+GENERATE_DEFAULTS_ONLY: Mapping[str, object] = types.MappingProxyType(
+    {
+        "stream": False,
+        "return_hidden_states": False,
+        "return_routed_experts": False,
+        "return_indexer_topk": False,
+        "return_entropy": False,
+        "return_bytes": False,
+        "return_prompt_token_ids": False,
+        "return_sampling_mask": None,
+        "background": False,
+        "input_embeds": None,
+        "image_data": None,
+        "video_data": None,
+        "audio_data": None,
+        "session_params": None,
+        "custom_logit_processor": None,
+        "require_reasoning": False,
+        "max_thinking_tokens": None,
+    }
+)
+
+
+def unserved_generate_keys(body: Mapping[str, object]) -> list[str]:
+    """`key=value` for each GENERATE_DEFAULTS_ONLY key of a /generate body whose value is not its default."""
+    return [f"{k}={body[k]!r}" for k, default in GENERATE_DEFAULTS_ONLY.items() if k in body and body[k] != default]
+
+
+def generate_request_fields(body: Mapping[str, object]) -> dict[str, object]:
+    """The keys of a /generate body that GenerateRequest carries; every other key is dropped, as SGLang's FastAPI
+    body drops keys its dataclass does not declare (check `unserved_generate_keys` first)."""
+    names = {f.name for f in dataclasses.fields(GenerateRequest)}
+    return {k: v for k, v in body.items() if k in names}
+
+
 @dataclass(frozen=True, kw_only=True)
 class FinishReason:
     type: FinishReasonKind
@@ -564,7 +609,9 @@ QUERY_ENDPOINTS: Mapping[str, type] = types.MappingProxyType({"/flush_cache": Fl
 # SGLang's auth levels (srt/utils/auth.py): these rollout and info routes are NORMAL (the API key, when the server
 # has one); paths under these prefixes are never guarded (probes, scrapers); every other route miles_sync calls is
 # ADMIN_OPTIONAL (the admin key when the server has one, else the API key).
-NORMAL_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/get_server_info", "/get_draft_report"})
+NORMAL_PATHS = frozenset(
+    {"/generate", "/model_info", "/get_model_info", "/get_server_info", "/server_info", "/get_draft_report"}
+)
 ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
 # Paths answering JSON -> the record of the answer. /flush_cache answers plain text (FlushCacheResult).

@@ -101,6 +101,25 @@ def test_trained_mtp_layer_syncs_with_selector_all(tmp_path):
         assert r["logprob_diff_max"] <= LOGPROB_BOUND, r
 
 
+def test_rollouts_through_the_router_with_an_engine_joining_at_round_2(tmp_path):
+    """rollout.router=true: sglang-router starts in front of the engines and every rollout goes through it; the
+    engine launched before round 2's sync is routed only after that sync verified it, and every sample of every
+    round carries the version its round committed (the joiner's first round included)."""
+    done = run_main(tmp_path, "rollout.router=true", "engines.join_at_round=2", "num_rounds=3", *SMALL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = read_report(tmp_path, "default")
+    assert report["status"] == "completed"
+    rounds = report["rounds"]
+    for r in rounds:
+        assert r["committed"] and r["verified"] and r["samples_tagged"], r
+        assert r["routed_engines"] == r["engines"], r  # every engine serving the round's version is routed
+    assert len(rounds[0]["engines"]) == 2 and not rounds[0]["joined"]
+    (joiner,) = rounds[1]["joined"]
+    assert rounds[1]["engines"][-1] == joiner and len(rounds[1]["engines"]) == 3
+    assert any(c.startswith(f"admitted {joiner}: serving v{rounds[1]['version']}") for c in rounds[1]["route_changes"])
+    assert f"engine {joiner} joined the fleet" in done.stdout and "started sglang-router at" in done.stdout
+
+
 def test_frozen_draft_bug_demo_collapses_accept_length(tmp_path):
     done = run_main(tmp_path, "demo=frozen_draft_bug", "num_rounds=2", *SMALL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

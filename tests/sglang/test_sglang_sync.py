@@ -23,6 +23,7 @@ from sglang_server import sglang_server
 from silent_member import silent_member
 
 from miles_sync.engine.client import EngineClient
+from miles_sync.engine.router import RouterClient, RouterProcess, RouterSpec
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController, SyncError
 from miles_sync.sync.report import SyncReport
@@ -82,7 +83,7 @@ def no_weights_are_reset(request):
     assert not resets, f"reset_tensors was sent to a real server: {resets}"
 
 
-def controller(urls, source, *, transport: str = "distributed") -> SyncController:
+def controller(urls, source, *, transport: str = "distributed", gate=None) -> SyncController:
     return SyncController(
         engine_urls=urls,
         source=source,
@@ -92,6 +93,7 @@ def controller(urls, source, *, transport: str = "distributed") -> SyncControlle
         verify=True,
         timeouts=TIMEOUTS,
         show_progress=False,
+        gate=gate,
     )
 
 
@@ -237,6 +239,67 @@ def test_a_failed_verification_holds_real_servers_with_their_weights_untouched(
             assert all(new[n] == sent[n] for n in new if n != "model.norm.weight")
     assert recovered.committed and recovered.verification == "engine-exact (sha256)"
     assert [r.meta_info.weight_version for r in resumed] == [recovered.version] * 2
+
+
+def test_the_router_lists_only_the_real_servers_a_sync_verified(servers, source, sglang_python, tmp_path):
+    """sglang-router 0.3.2 in front of both servers (it probes their /health, /server_info and /model_info before it
+    routes): a verified sync leaves both listed and the requests it routes answer at that version, split between
+    them; a sync whose verification fails holds both, and the router lists neither before either could be resumed;
+    the next verified sync lists both again."""
+    urls = [proxy.url for _, proxy in servers]
+    process = RouterProcess(spec=RouterSpec(python=str(sglang_python)), log_dir=tmp_path)
+
+    async def through_router(router: RouterClient, count: int) -> list[str]:
+        async with EngineClient(router.url, timeout_s=60.0) as client:
+            answers = await asyncio.gather(*(client.generate(PROMPT) for _ in range(count)))
+        return [a.meta_info.weight_version for a in answers]
+
+    async def main(router: RouterClient):
+        await source.call("configure", settings("distributed"))
+        ctl = controller(urls, source, gate=router)
+        out = {}
+        try:
+            await ctl.connect()
+            await source.call("step", 5)
+            out["good"] = await ctl.sync()
+            out["listed"] = sorted(await router.worker_urls())
+            before = await router.routed_counts()
+            out["versions"] = await through_router(router, 6)
+            after = await router.routed_counts()
+            out["per_server"] = [after.get(u, 0) - before.get(u, 0) for u in urls]
+        finally:
+            await ctl.close()
+        # A source that drops a tensor (configured before its controller opens the transport): bytes land, the
+        # verification fails on both servers.
+        await source.call("configure", settings("distributed", skip_names=("model.norm.weight",)))
+        ctl = controller(urls, source, gate=router)
+        try:
+            await ctl.connect()
+            await source.call("step", 6)
+            out["failed"] = await ctl.sync(raise_on_failure=False)
+            out["listed_after_failure"] = await router.worker_urls()
+            await source.call("configure", settings("distributed"))
+            out["recovered"] = await ctl.sync()
+            out["listed_after_recovery"] = sorted(await router.worker_urls())
+            out["versions_after"] = await through_router(router, 4)
+        finally:
+            await ctl.close()
+            for url in urls:
+                with contextlib.suppress(Exception):
+                    await router.withdraw(url)
+            await router.close()
+        return out
+
+    router = process.start()
+    try:
+        out = asyncio.run(main(router))
+    finally:
+        process.stop()
+    assert out["good"].committed and out["listed"] == sorted(urls)
+    assert out["versions"] == [out["good"].version] * 6 and out["per_server"] == [3, 3]  # round robin
+    assert not out["failed"].committed and out["listed_after_failure"] == ()
+    assert out["recovered"].committed and out["listed_after_recovery"] == sorted(urls)
+    assert out["versions_after"] == [out["recovered"].version] * 4
 
 
 def test_servers_holding_another_version_are_found_without_a_sync_and_pass_once_synced(servers, source):

@@ -29,7 +29,7 @@ import functools
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,8 @@ from miles_sync.wire.protocol import (
     PauseGenerationRequest,
     SamplingParams,
     UnloadLoRAAdapterRequest,
+    generate_request_fields,
+    unserved_generate_keys,
 )
 
 __all__: list[str] = []  # nothing here is imported from outside miles_sync.engine
@@ -218,7 +220,15 @@ def create_app(
         return web.Response(status=result.status_code, text=result.message)
 
     async def generate(request: web.Request) -> web.Response:
-        body = decode(GenerateRequest, await _json_body(request))
+        raw = await _json_body(request)
+        if isinstance(raw, Mapping):
+            # SGLang's body: keys it does not declare are dropped, its own fields this engine lacks must be at
+            # their defaults (what the SGLang router sends); sampling_params and the records inside stay strict.
+            unserved = unserved_generate_keys(raw)
+            if unserved:
+                raise ValueError(f"/generate: this engine does not implement {', '.join(unserved)}")
+            raw = generate_request_fields(raw)
+        body = decode(GenerateRequest, raw)
         future = engine.submit_generate(body)
         response = await asyncio.wait_for(asyncio.wrap_future(future), timeout=settings.generate_timeout_s)
         return _json(_generate_body(response))
@@ -320,6 +330,7 @@ def create_app(
     app.router.add_get("/model_info", model_info)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/server_info", server_info)  # SGLang 0.5.23's newer name; the router asks for it first
     app.router.add_get("/get_draft_report", draft_report)
 
     async def shutdown(app: web.Application) -> None:
