@@ -6,10 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
-# Real SGLang servers run from their own venv (launch/install_sglang.sh), installed on first use.
+# Real SGLang servers and the SGLang router run from their own venv (launch/install_sglang.sh), installed on first
+# use.
 for arg in "$@"; do
-    if [ "$arg" = "engines.kind=sglang" ]; then
+    if [ "$arg" = "engines.kind=sglang" ] || [ "$arg" = "rollout.router=true" ]; then
         bash launch/install_sglang.sh
+        break
     fi
 done
 exec .venv/bin/python -m launch.run "$@"
