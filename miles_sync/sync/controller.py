@@ -712,7 +712,8 @@ class SyncController:
         plan = plan_routing(fleet=self._urls, routed=routed, serving=self.serving_engines)
         admit = [*plan.admit, *(u for u in self.serving_engines if whole_fleet and u not in plan.admit)]
         reasons = {u: self._held.get(u, f"not serving the committed version ({reason})") for u in plan.withdraw}
-        reasons |= {u: f"serving v{self._weight_version or 'start'} ({reason})" for u in admit}
+        serves = f"v{self._weight_version}" if self._weight_version.isdecimal() else "the weights it loaded"
+        reasons |= {u: f"serving {serves} ({reason})" for u in admit}
         return await self._route(withdraw=plan.withdraw, admit=admit, reasons=reasons)
 
     async def _route(self, *, withdraw: Sequence[str], admit: Sequence[str], reasons: dict[str, str]) -> list[str]:
