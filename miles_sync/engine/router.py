@@ -35,15 +35,7 @@ from miles_sync.engine.process import EngineLauncher
 from miles_sync.env import LOOPBACK_HOST
 from miles_sync.wire.text import raise_if
 
-__all__ = [
-    "ROUTER_POLICIES",
-    "RouterClient",
-    "RouterError",
-    "RouterProcess",
-    "RouterSpec",
-    "RouterWorker",
-    "parse_routed_counts",
-]
+__all__ = ["ROUTER_POLICIES", "RouterClient", "RouterProcess", "RouterSpec"]
 
 ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 _POLL_S = 0.05

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from miles_sync.wire.codec import WireEnum
 
-__all__ = ["RouteAction", "RouteChange", "RoutingPlan", "TrafficGate", "plan_routing"]
+__all__ = ["TrafficGate"]
 
 
 class TrafficGate(Protocol):

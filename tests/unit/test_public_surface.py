@@ -39,6 +39,7 @@ PROTOCOL_ALL = {
     "FlushCacheRequest",
     "FlushCacheResult",
     "GenerateMetaInfo",
+    "GENERATE_DEFAULTS_ONLY",
     "GenerateRequest",
     "GenerateResponse",
     "GenerationControlResult",
@@ -68,8 +69,10 @@ PROTOCOL_ALL = {
     "checksum_role",
     "decode",
     "encode",
+    "generate_request_fields",
     "role_kind",
     "selector_roles",
+    "unserved_generate_keys",
 }
 SELECTOR_ALL = {"SelectorMode", "resolve_selector", "selector_input_problems", "weight_update_selector"}
 DRAFT_ALL = {"DraftKind", "DraftReport"}
@@ -331,6 +334,7 @@ CONFIG_FIELDS = {
         "admin_api_key": None,
         "device": None,
         "sglang_python": None,
+        "join_at_round": None,
     },
     "sync": {
         "transport": None,
@@ -346,6 +350,7 @@ CONFIG_FIELDS = {
         "staged": None,
         "mechanism_check": None,
         "enabled": None,
+        "version_file": None,
         "quantization": None,
         "fp8_block": None,
         "mode": None,
@@ -368,6 +373,9 @@ CONFIG_FIELDS = {
         "samples_per_prompt": None,
         "max_new_tokens": None,
         "temperature": None,
+        "router": None,
+        "router_url": None,
+        "router_policy": None,
     },
     "seed": None,
     "num_rounds": None,
