@@ -25,7 +25,7 @@ import re
 import time
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -114,7 +114,7 @@ class RouterProcess:
         self._host = host
         self._timeout_s = timeout_s
         # The exporter's port is fixed here so that the client knows where to read the routed counts.
-        self._spec = spec if spec.metrics_port else _with_metrics_port(spec, reserve_port(host))
+        self._spec = spec if spec.metrics_port else replace(spec, metrics_port=reserve_port(host))
         self._launcher = EngineLauncher(spec=self._spec, log_dir=log_dir, host=host, startup_timeout_s=timeout_s)
 
     @property
@@ -135,16 +135,6 @@ class RouterProcess:
 
     def log_tail(self) -> str:
         return self._launcher.log_tail()
-
-
-def _with_metrics_port(spec: RouterSpec, port: int) -> RouterSpec:
-    return RouterSpec(
-        python=spec.python,
-        policy=spec.policy,
-        request_timeout_s=spec.request_timeout_s,
-        health_check_interval_s=spec.health_check_interval_s,
-        metrics_port=port,
-    )
 
 
 class RouterClient:

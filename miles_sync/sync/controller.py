@@ -401,9 +401,7 @@ class SyncController:
         if new_url in self._urls and new_url != old_url:
             raise ValueError(f"engine {new_url} is already in this controller's fleet")
         async with self._lease.hold(f"replace_engine {old_url}", timeout_s=self._lease_wait_s):
-            warnings = await self._route(withdraw=[old_url], admit=[], reasons={old_url: f"replaced by {new_url}"})
-            if warnings:
-                raise RuntimeError("; ".join(warnings))  # still routed: it must not leave the fleet unwatched
+            await self._withdraw_or_raise(old_url, reason=f"replaced by {new_url}")
             old = self._clients.pop(old_url, None)
             if old is not None:
                 await old.close()
@@ -460,9 +458,7 @@ class SyncController:
         if url not in self._urls:
             raise ValueError(f"engine {url} is not in this controller's fleet {self._urls}")
         async with self._lease.hold(f"remove_engine {url}", timeout_s=self._lease_wait_s):
-            warnings = await self._route(withdraw=[url], admit=[], reasons={url: "removed from the fleet"})
-            if warnings:
-                raise RuntimeError("; ".join(warnings))
+            await self._withdraw_or_raise(url, reason="removed from the fleet")
             self._urls.remove(url)
             client = self._clients.pop(url, None)
             if client is not None:
@@ -708,13 +704,23 @@ class SyncController:
         controller never admitted). Returns warnings; never raises."""
         if self._gate is None:
             return []
-        routed = set(self._urls) if whole_fleet else self._routed
-        plan = plan_routing(fleet=self._urls, routed=routed, serving=self.serving_engines)
-        admit = [*plan.admit, *(u for u in self.serving_engines if whole_fleet and u not in plan.admit)]
-        reasons = {u: self._held.get(u, f"not serving the committed version ({reason})") for u in plan.withdraw}
+        serving = self.serving_engines
+        plan = plan_routing(fleet=self._urls, routed=self._routed, serving=serving)
+        withdraw, admit = plan.withdraw, plan.admit
+        if whole_fleet:  # the gate's calls are idempotent: withdraw every non-serving engine, admit every serving one
+            withdraw = plan_routing(fleet=self._urls, routed=self._urls, serving=serving).withdraw
+            admit = plan_routing(fleet=self._urls, routed=(), serving=serving).admit
+        reasons = {u: self._held.get(u, f"not serving the committed version ({reason})") for u in withdraw}
         serves = f"v{self._weight_version}" if self._weight_version.isdecimal() else "the weights it loaded"
         reasons |= {u: f"serving {serves} ({reason})" for u in admit}
-        return await self._route(withdraw=plan.withdraw, admit=admit, reasons=reasons)
+        return await self._route(withdraw=withdraw, admit=admit, reasons=reasons)
+
+    async def _withdraw_or_raise(self, url: str, *, reason: str) -> None:
+        """Withdraw `url` before it leaves the fleet; raises when the router still lists it (an engine must never
+        leave the controller's watch while routed)."""
+        warnings = await self._route(withdraw=[url], admit=[], reasons={url: reason})
+        if warnings:
+            raise RuntimeError("; ".join(warnings))
 
     async def _route(self, *, withdraw: Sequence[str], admit: Sequence[str], reasons: dict[str, str]) -> list[str]:
         """Withdraw first (all at once), then admit; records each change that took. Never raises."""

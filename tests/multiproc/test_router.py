@@ -20,7 +20,7 @@ from sglang_server import SGLANG_PYTHON
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.command import reserve_port
-from miles_sync.engine.router import RouterClient, RouterProcess, RouterSpec, parse_routed_counts
+from miles_sync.engine.router import RouterProcess, RouterSpec, parse_routed_counts
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController
 from miles_sync.sync.routing import RouteAction
@@ -43,7 +43,7 @@ def router(tmp_path_factory):
     process = RouterProcess(spec=RouterSpec(python=str(SGLANG_PYTHON)), log_dir=tmp_path_factory.mktemp("router"))
     client = process.start()
     try:
-        yield process, client
+        yield client
     finally:
         process.stop()
 
@@ -58,7 +58,7 @@ def start_engine(checkpoints: Path, log_dir: Path, *, port: int | None = None):
     )
 
 
-def controller(urls, source, gate, *, pause_mode=PauseMode.ABORT) -> SyncController:
+def controller(urls, source, gate, *, pause_mode=PauseMode.ABORT, version_file=None) -> SyncController:
     return SyncController(
         engine_urls=urls,
         source=source,
@@ -69,6 +69,7 @@ def controller(urls, source, gate, *, pause_mode=PauseMode.ABORT) -> SyncControl
         timeouts=SessionTimeouts(control_s=20.0, sync_s=90.0),
         show_progress=False,
         gate=gate,
+        version_file=version_file,
     )
 
 
@@ -92,10 +93,6 @@ async def generate_through(router_url: str, count: int, *, max_new_tokens: int =
     return [a.meta_info.weight_version for a in answers]
 
 
-async def routed(client: RouterClient) -> dict[str, int]:
-    return await client.routed_counts()
-
-
 def test_routed_counts_parse_the_routers_per_worker_outcomes():
     text = "\n".join(
         [
@@ -117,7 +114,7 @@ def test_a_held_engine_gets_no_routed_request_and_rejoins_after_a_verified_sync(
     held and withdrawn before the survivor resumes, and the next 20 routed requests all reach the survivor. The
     engine restarts at the same URL (the checkpoint's weights, not the fleet's): it stays out of the router until
     the next sync verifies on it, then takes requests again, at the fleet's version."""
-    process, client = router
+    client = router
     port = reserve_port("127.0.0.1")
 
     async def main(a_url: str, b_url: str, restart_b) -> dict:
@@ -129,21 +126,21 @@ def test_a_held_engine_gets_no_routed_request_and_rejoins_after_a_verified_sync(
             out["routed_at_connect"] = set(await client.worker_urls())
             await source.call("step", 1)
             out["v1"] = await ctl.sync()
-            out["before"] = await routed(client)
+            out["before"] = await client.routed_counts()
             await restart_b(kill_only=True)
             await source.call("step", 2)
             out["failed"] = await ctl.sync(raise_on_failure=False)
             out["listed_after_failure"] = set(await client.worker_urls())
             out["held"] = dict(ctl.held_engines)
             out["versions_while_held"] = await generate_through(client.url, 20)
-            out["after_failure"] = await routed(client)
+            out["after_failure"] = await client.routed_counts()
             await restart_b(kill_only=False)
             out["listed_after_restart"] = set(await client.worker_urls())
             await source.call("step", 3)
             out["v3"] = await ctl.sync()
             out["listed_after_v3"] = set(await client.worker_urls())
             out["versions_after_v3"] = await generate_through(client.url, 20)
-            out["after_v3"] = await routed(client)
+            out["after_v3"] = await client.routed_counts()
             out["changes"] = ctl.status().route_changes
         finally:
             await ctl.close()
@@ -194,7 +191,7 @@ def test_a_joiner_is_routed_only_after_a_sync_verifies_it_at_the_fleets_version(
     """A third engine joins a fleet at version 1: paused, not routed, while a direct request to it would wait; the
     next sync (version 2) verifies it engine-exact with the others, and only then does the router list it. A new
     controller over the same engines continues at their version, never below it."""
-    process, client = router
+    client = router
 
     async def main(urls: list[str], joiner: str) -> dict:
         await source.call("configure", SETTINGS)
@@ -261,17 +258,7 @@ def test_the_committed_version_survives_a_restart_of_the_controller_and_every_en
 
     async def run(url: str, *, steps, with_file: bool) -> tuple[int, list[str]]:
         await source.call("configure", SETTINGS)
-        ctl = SyncController(
-            engine_urls=[url],
-            source=source,
-            transport="distributed",
-            selector_inputs=FROZEN_DRAFT,
-            pause_mode=PauseMode.ABORT,
-            verify=True,
-            timeouts=SessionTimeouts(control_s=20.0, sync_s=90.0),
-            show_progress=False,
-            version_file=version_file if with_file else None,
-        )
+        ctl = controller([url], source, None, version_file=version_file if with_file else None)
         try:
             await ctl.connect()
             start, versions = ctl.version, []
@@ -299,21 +286,21 @@ def test_200_concurrent_rollouts_through_the_router_across_3_syncs_lose_nothing(
 ):
     """200 requests in flight through the router while 3 syncs run back to back (retract pause: SGLang requeues the
     running requests and resumes them after the sync). Every request answers, with a version the fleet committed."""
-    process, client = router
+    client = router
 
     async def main(urls: list[str]) -> tuple[list[str], list, dict, dict]:
         await source.call("configure", SETTINGS)
         ctl = controller(urls, source, client, pause_mode=PauseMode.RETRACT)
         try:
             await ctl.connect()
-            before = await routed(client)
+            before = await client.routed_counts()
             rollouts = asyncio.create_task(generate_through(client.url, 200, max_new_tokens=16, spans=True))
             reports = []
             for step in (1, 2, 3):
                 await source.call("step", step)
                 reports.append(await ctl.sync())
             versions = await asyncio.wait_for(rollouts, timeout=300)
-            after = await routed(client)
+            after = await client.routed_counts()
         finally:
             await ctl.close()
             for url in urls:

@@ -30,8 +30,8 @@ median_of, spreads_of = _repeat.median_of, _repeat.spreads_of
 _without_outputs, compare_rows, headline = _compare._without_outputs, _compare.compare_rows, _compare.headline
 
 
-def test_cases_alternate_in_the_same_order_every_repetition() -> None:
-    calls: list[str] = []
+def counting_case(calls: list[str]):
+    """`case(name)`: a run that records its name in `calls` and returns how many runs there were so far."""
 
     def case(name: str):
         def run() -> int:
@@ -40,6 +40,12 @@ def test_cases_alternate_in_the_same_order_every_repetition() -> None:
 
         return run
 
+    return case
+
+
+def test_cases_alternate_in_the_same_order_every_repetition() -> None:
+    calls: list[str] = []
+    case = counting_case(calls)
     results = alternate([("a", case("a")), ("b", case("b")), ("c", case("c"))], repetitions=3)
     assert calls == ["a", "b", "c"] * 3
     assert results == {"a": [1, 4, 7], "b": [2, 5, 8], "c": [3, 6, 9]}
@@ -49,14 +55,7 @@ def test_cases_alternate_in_the_same_order_every_repetition() -> None:
 
 def test_warmup_repetitions_run_every_case_and_are_discarded() -> None:
     calls: list[str] = []
-
-    def case(name: str):
-        def run() -> int:
-            calls.append(name)
-            return len(calls)
-
-        return run
-
+    case = counting_case(calls)
     results = alternate([("a", case("a")), ("b", case("b"))], repetitions=2, warmup=1)
     assert calls == ["a", "b"] * 3
     assert results == {"a": [3, 5], "b": [4, 6]}  # the first pass (1, 2) is not among the results
