@@ -60,12 +60,13 @@ the expert gather's cost (EP=2 export - EP=1 export).
 
 Top-level JSON keys (medians over the repetitions; from the largest model unless said): ratio_vs_ceiling (and
 ratio_vs_ceiling_cpu_bound), end_to_end_gbps, speedup_vs_per_tensor (model with the most tensors),
-colocated_vs_memcpy (one TP=1 engine; colocated_vs_memcpy_tp2 into one TP=2 engine, from the TP comparison;
-colocated_vs_memcpy_two_engines), pause_fraction (and pause_fraction_hf_digests), peak_extra_mem_over_bucket; then
-the tables (the TP comparison is the largest model's `tp_cases`), `parallel` (the parallel layouts), torch/ray
-versions and the core count; `spread`, `unstable`, `caveats`, `section_repetitions` (each section's count) and
-`repetitions` (the least of them); per model, `spread` and
-every repetition's row (`repetitions`).
+colocated_vs_memcpy (one TP=1 engine; colocated_vs_memcpy_tp2 into one TP=2 engine against a memcpy measured
+beside it in the TP comparison; colocated_vs_memcpy_two_engines), pause_fraction (and pause_fraction_hf_digests),
+peak_extra_mem_over_bucket; then the tables (the TP comparison is the largest model's `tp_cases`), `parallel` (the
+parallel layouts), torch/ray versions and the core count; `spread`, `unstable`, `caveats`, `section_repetitions`
+(each section's count) and `repetitions` (the least of them); per model, `spread` and every repetition's row of its
+core cases (`repetitions`), of its engine-digest pair (`digest_repetitions`) and of the TP comparison
+(`tp_repetitions`), these two at least LAYOUT_REPETITIONS.
 
 FP8 vs BF16 (bench_fp8.py's comparison, on the run's smallest model, 128x128 blocks): bytes on the wire, sync wall
 and the source's quantization time as a share of it. LoRA vs full (bench_lora.py's comparison, same model, rank 16
@@ -158,7 +159,9 @@ ENGINE_TP = 2  # the TP case's engine, measured against a TP=1 engine
 SMALL_SERIES_SYNCS = 3  # measured syncs per series below 256 MiB (series_syncs)
 # The layout sections (pipeline/expert pair, fed cases, FP8/LoRA/draft guard) take at least this many repetitions:
 # their ratios sit near 1.0 or are small shares, where the median of 3 moved by 22-39% between three quick runs on
-# one commit (pp2_vs_pp1 0.75/0.92/0.75, fed tp1dp2->tp2 1.00/0.84/1.16, fp8_quantize_share 0.27/0.23/0.21).
+# one commit (pp2_vs_pp1 0.75/0.92/0.75, fed tp1dp2->tp2 1.00/0.84/1.16, fp8_quantize_share 0.27/0.23/0.21). So do
+# the per-model pairs a headline key is one ratio of (the TP comparison, the engine-digest pair): at 3 they moved by
+# 24-25% (colocated_vs_memcpy_tp2 0.39/0.39/0.31, staged_pause ahead/in 0.77/0.87/0.95).
 LAYOUT_REPETITIONS = 5
 
 
@@ -547,27 +550,37 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             )
             return digest_case(m)
 
+        pair_reps = max(reps, LAYOUT_REPETITIONS)  # one ratio of two cases is a headline key
         digest_cases = alternate(
             [("engine_digests_in_pause", lambda: digests(True)), ("engine_digests_staged", lambda: digests(False))],
-            repetitions=reps,
+            repetitions=pair_reps,
             log=log,
         )
         sglang_named.stop()  # its memory is the sweeps' from here on
-        rows = [
-            row
-            | core_row({name: runs[i] for name, runs in core.items()}, num_bytes=num_bytes)
-            | {name: runs[i] for name, runs in digest_cases.items()}
-            for i in range(reps)
-        ]
+        rows = [row | core_row({name: c[i] for name, c in core.items()}, num_bytes=num_bytes) for i in range(reps)]
+        digest_reps = [{name: runs[i] for name, runs in digest_cases.items()} for i in range(pair_reps)]
+        tp_reps = None
         if is_sweep_model:
             for i, sweeps in enumerate(sweep_rows(spec, args, fleet=fleet, ours=ours, num_bytes=num_bytes)):
                 rows[i].update(sweeps)
-            for i, cases in enumerate(tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)):
-                rows[i]["tp_cases"] = cases
+            tp_reps = tp_cases(
+                spec,
+                args,
+                stack=stack,
+                model_dir=model_dir,
+                fleet=fleet,
+                ours=ours,
+                memcpy=lambda: memcpy_seconds(tensors, repeats=r),
+            )
     tensors = None  # release the model before the next one loads (closures above still name it)
     row.update(median_of(rows))
     row["spread"] = {k: s.to_json() for k, s in spreads_of(rows).items()}
     row["repetitions"] = rows
+    row.update(median_of(digest_reps))
+    row["digest_repetitions"] = digest_reps
+    if tp_reps is not None:
+        row.update(median_of(tp_reps))
+        row["tp_repetitions"] = tp_reps
     return row
 
 
@@ -686,10 +699,20 @@ def sweep_rows(spec: ModelSpec, args, *, fleet: EngineFleet, ours, num_bytes: in
     return out
 
 
-def tp_cases(spec: ModelSpec, args, *, stack: ExitStack, model_dir: Path, fleet: EngineFleet, ours) -> list[list[dict]]:
+def tp_cases(
+    spec: ModelSpec,
+    args,
+    *,
+    stack: ExitStack,
+    model_dir: Path,
+    fleet: EngineFleet,
+    ours,
+    memcpy: Callable[[], float],
+) -> list[dict]:
     """The TP comparison: one TP=1 engine (`fleet`'s first) against one TP=2 engine started here, per transport,
-    every case in each of `args.repetitions` alternating repetitions; `ours(transport, **options)` runs one
-    measured series. One list of case rows per repetition."""
+    and this process's memcpy of the model (`memcpy()`, seconds) as the colocated bound, every case in each of at
+    least LAYOUT_REPETITIONS alternating repetitions; `ours(transport, **options)` runs one measured series. Per
+    repetition `{tp_cases: [case rows], tp_memcpy_gbps}`."""
     num_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
     log(f"{spec.name}: one TP=1 engine vs one TP={ENGINE_TP} engine")
     tp_fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir, tp_size=ENGINE_TP)
@@ -717,23 +740,24 @@ def tp_cases(spec: ModelSpec, args, *, stack: ExitStack, model_dir: Path, fleet:
         )
 
     keys = [(t, tp) for t in ("distributed", "colocated", "shard_direct") for tp in fleets]
+    repetitions = max(args.repetitions, LAYOUT_REPETITIONS)
     # One discarded pass first: in every quick run the first repetition's TP=2 cases were the slow ones (the TP=2
     # engine and its rank processes start here), which moved tp2_vs_tp1_total_s 1.22-1.51 between runs.
     runs = alternate(
-        [(f"{t} into the TP={tp} engine", lambda t=t, tp=tp: case(t, tp)) for t, tp in keys],
-        repetitions=args.repetitions,
+        [(f"{t} into the TP={tp} engine", lambda t=t, tp=tp: case(t, tp)) for t, tp in keys] + [("memcpy", memcpy)],
+        repetitions=repetitions,
         warmup=1,
         log=log,
     )
     tp_fleet.stop()
     out = []
-    for i in range(args.repetitions):
+    for i in range(repetitions):
         rows = [runs[f"{t} into the TP={tp} engine"][i] for t, tp in keys]
         for c in rows:
             tp1 = next(x for x in rows if x["transport"] == c["transport"] and x["engine_tp"] == 1)
             c["send_s_over_tp1"] = c["send_s"] / tp1["send_s"]
             c["total_s_over_tp1"] = c["total_s"] / tp1["total_s"]
-        out.append(rows)
+        out.append({"tp_cases": rows, "tp_memcpy_gbps": gbps(num_bytes, runs["memcpy"][i])})
     return out
 
 
@@ -759,8 +783,16 @@ def bench_tp_only(spec: ModelSpec, args) -> dict:
                 cpu_pids=cpu_pids,
             )
 
-        reps = tp_cases(spec, args, stack=stack, model_dir=model_dir, fleet=fleet, ours=ours)
-    row["tp_cases"] = median_of(reps)
+        reps = tp_cases(
+            spec,
+            args,
+            stack=stack,
+            model_dir=model_dir,
+            fleet=fleet,
+            ours=ours,
+            memcpy=lambda: memcpy_seconds(tensors, repeats=repeats),
+        )
+    row.update(median_of(reps))
     row["tp_repetitions"] = reps
     return row
 
@@ -784,11 +816,8 @@ def summarize(rows: list[dict]) -> dict:
         # One pack and one load (one TP=1 engine), the bound the colocated target names; into one TP=2 engine (the
         # TP comparison's colocated case); and into two engines sharing this host's cores.
         "colocated_vs_memcpy": largest["colocated_vs_memcpy"],
-        "colocated_vs_memcpy_tp2": colocated_tp2_vs_memcpy(largest),
         "colocated_vs_memcpy_two_engines": largest["colocated_two_engines_vs_memcpy"],
-        # Verified on engine-parameter digests (SGLang's checker format), as the sync-speed target defines it; with HF
-        # digests as well, as every run before that reported it.
-        "pause_fraction": largest["engine_digests_staged"]["pause_fraction"],
+        # With HF digests, as every run before the engine-digest pair (digest_keys: pause_fraction) reported it.
         "pause_fraction_hf_digests": largest["pause_fraction_staged"],
         # Over the sweep rows whose bucket is smaller than the model (else the model, not the bucket, is the unit).
         "peak_extra_mem_over_bucket": max((s["sender_extra_over_bucket"] for s in sweep), default=float("nan")),
@@ -799,13 +828,6 @@ def summarize(rows: list[dict]) -> dict:
 def tp2_case(row: dict, transport: str) -> dict | None:
     """The TP comparison's case of `transport` into the TP>1 engine (None for a row without the comparison)."""
     return next((c for c in row.get("tp_cases", []) if c["transport"] == transport and c["engine_tp"] > 1), None)
-
-
-def colocated_tp2_vs_memcpy(row: dict) -> float:
-    """The TP comparison's colocated sync into one TP>1 engine, against the row's memcpy (NaN without the
-    comparison)."""
-    case = tp2_case(row, "colocated")
-    return float("nan") if case is None else case["send_gbps"] / row["memcpy_gbps"]
 
 
 def model_size(spec: ModelSpec) -> int:
@@ -833,12 +855,6 @@ def topologies(
         out["colocated_vs_distributed_send_gbps"] = (
             largest["colocated_two_engines_send_gbps"] / largest["ours_send_gbps"]
         )
-        out["staged_pause_s_digests_ahead_vs_in_pause"] = (
-            largest["engine_digests_staged"]["pause_window_s"] / largest["engine_digests_in_pause"]["pause_window_s"]
-        )
-        tp_row = next((r for r in rows if r.get("tp_cases")), None)
-        if tp_row is not None:
-            out.update(tp_topologies(tp_row))
     if fp8 is not None:
         out["fp8_vs_bf16_wire_bytes"] = fp8["wire_bytes_ratio"]
         out["fp8_vs_bf16_sync_s"] = fp8["sync_s_ratio"]
@@ -1021,15 +1037,33 @@ def headline_keys(
     lora: dict | None = None,
     guard: dict | None = None,
 ) -> dict[str, float]:
-    """One repetition's headline figures: the summary keys and every `topologies.<key>` (numbers only)."""
-    is_models = bool(rows) and "ceiling_gbps" in rows[0]  # else the TP comparison alone (--tp-only)
-    out = {k: v for k, v in (summarize(rows) if is_models else {}).items() if is_number(v)}
-    tops = topologies(rows if is_models else [], parallel, fp8, lora, guard)
-    if not is_models and rows:
-        tops.update(tp_topologies(rows[0]))
+    """One repetition's headline figures of the sections given: the summary keys of the models' core cases and every
+    `topologies.<key>` (numbers only)."""
+    out = {k: v for k, v in (summarize(rows) if rows else {}).items() if is_number(v)}
+    tops = topologies(rows, parallel, fp8, lora, guard)
     if fed is not None:
         tops.update(fed_topologies(fed))
     return out | {f"topologies.{k}": v for k, v in tops.items()}
+
+
+def digest_keys(pair: dict) -> dict[str, float]:
+    """One repetition's headline figures of the engine-digest pair (`engine_digests_staged`/`_in_pause`): the pause
+    fraction verified on the digests SGLang's checker answers, as the sync-speed target defines it, and the pause
+    window with the layout digests predicted ahead of the pause over in it."""
+    staged, in_pause = pair["engine_digests_staged"], pair["engine_digests_in_pause"]
+    return {
+        "pause_fraction": staged["pause_fraction"],
+        "topologies.staged_pause_s_digests_ahead_vs_in_pause": staged["pause_window_s"] / in_pause["pause_window_s"],
+    }
+
+
+def tp_keys(comparison: dict) -> dict[str, float]:
+    """One repetition's headline figures of the TP comparison (`tp_cases`, `tp_memcpy_gbps`): its side-by-side
+    ratios and the colocated sync into the TP=2 engine against the memcpy measured beside it."""
+    colocated = tp2_case(comparison, "colocated")
+    return {"colocated_vs_memcpy_tp2": colocated["send_gbps"] / comparison["tp_memcpy_gbps"]} | {
+        f"topologies.{k}": v for k, v in tp_topologies(comparison).items()
+    }
 
 
 def section_repetitions(
@@ -1041,12 +1075,18 @@ def section_repetitions(
     guard: dict | None = None,
 ) -> dict[str, list[dict[str, float]]]:
     """Each section's headline figures, one dict per repetition of that section (sections take different numbers
-    of repetitions: LAYOUT_REPETITIONS); `rows` are the models' (or --tp-only's one) rows."""
+    of repetitions: LAYOUT_REPETITIONS); `rows` are the models' rows, whose core cases, engine-digest pair (the
+    largest model's) and TP comparison (the sweep model's) are sections of their own."""
     out = {}
     if rows:
         out["models"] = [
             headline_keys([r["repetitions"][i] for r in rows], None, None) for i in range(len(rows[0]["repetitions"]))
         ]
+        largest = max(rows, key=lambda row: row["params"])
+        out["digests"] = [digest_keys(pair) for pair in largest["digest_repetitions"]]
+        tp_row = next((r for r in rows if "tp_repetitions" in r), None)
+        if tp_row is not None:
+            out["tp"] = [tp_keys(comparison) for comparison in tp_row["tp_repetitions"]]
     if parallel is not None:
         out["parallel"] = [headline_keys([], p, None) for p in parallel["repetitions"]]
     if fed is not None:
@@ -1203,7 +1243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "fed": fed,
         }
         sections = {
-            "tp": [headline_keys([{"tp_cases": cases}], None, None) for cases in row["tp_repetitions"]],
+            "tp": [tp_keys(comparison) for comparison in row["tp_repetitions"]],
             "fed": section_repetitions([], None, fed)["fed"],
         }
         result = with_spreads(result, sections)
