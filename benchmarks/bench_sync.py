@@ -39,12 +39,13 @@ engine's processes used per sync (`shard_direct_vs_colocated_tp2_cpu_s` beside t
 allow when both are CPU-bound).
 
 How each figure is taken (benchmarks/_repeat.py): every case of a comparison runs once per repetition, in the same
-order (A, B, ..., A, B, ...; `--repetitions`, default and least 3), each run a series of its own: a fresh controller,
+order (A, B, ..., A, B, ...; `--repetitions`, default 5, least 3), each run a series of its own: a fresh controller,
 one warm-up sync that is not measured (group set-up, first touch of buffers), then `--repeats` measured syncs whose
 median is the series' figure (default 3 below 256 MiB, 1 above). Every figure is computed per repetition (a ratio
 from its two cases of the same repetition) and reported as the median over the repetitions. The layout sections
-(parallel pair, fed cases, FP8/LoRA/draft guard), whose ratios sit near 1.0 or are small shares, take at least 5
-repetitions; the TP comparison runs one discarded pass first (its TP=2 engine starts there). `spread` in the JSON
+(parallel pair, fed cases, FP8/LoRA/draft guard) and the per-model pairs (TP comparison, engine-digest pair), whose
+ratios sit near 1.0 or are small shares, take at least 5 repetitions whatever `--repetitions` says; the TP comparison
+runs one discarded pass first (its TP=2 engine starts there). `spread` in the JSON
 keeps each headline figure's median, min, max and every repetition's value, the printout says `median [min-max]`,
 a figure whose max/min exceeds 1.2 is listed in `unstable`, and `caveats` says why a figure cannot be read as what it
 names (unstable; the CPU bound saturated at 1.0 because the model is too small for the cores to bound its send; the
@@ -161,7 +162,8 @@ SMALL_SERIES_SYNCS = 3  # measured syncs per series below 256 MiB (series_syncs)
 # their ratios sit near 1.0 or are small shares, where the median of 3 moved by 22-39% between three quick runs on
 # one commit (pp2_vs_pp1 0.75/0.92/0.75, fed tp1dp2->tp2 1.00/0.84/1.16, fp8_quantize_share 0.27/0.23/0.21). So do
 # the per-model pairs a headline key is one ratio of (the TP comparison, the engine-digest pair): at 3 they moved by
-# 24-25% (colocated_vs_memcpy_tp2 0.39/0.39/0.31, staged_pause ahead/in 0.77/0.87/0.95).
+# 24-25% (colocated_vs_memcpy_tp2 0.39/0.39/0.31, staged_pause ahead/in 0.77/0.87/0.95). And the core cases' colocated
+# ratios at 3 moved by 21-23% over three quick runs (colocated_vs_memcpy 0.32/0.28/0.26): 5 is every section's default.
 LAYOUT_REPETITIONS = 5
 
 
@@ -1180,8 +1182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--repetitions",
         type=int,
-        default=MIN_REPETITIONS,
-        help=f"alternating repetitions every figure is the median of (default and least: {MIN_REPETITIONS})",
+        default=LAYOUT_REPETITIONS,
+        help=f"alternating repetitions every figure is the median of (default {LAYOUT_REPETITIONS}, least "
+        f"{MIN_REPETITIONS}; the layout sections and per-model pairs never take fewer than {LAYOUT_REPETITIONS})",
     )
     parser.add_argument(
         "--repeats",
