@@ -160,6 +160,12 @@ class SyncConfig:
             problems += [
                 f"mode=lora has no {k}; set {k}=false" for k in ("staged", "mechanism_check") if getattr(self, k)
             ]
+        if self.staged and self.conversion is ConversionMode.RAW and transport_spec(self.transport).routed_factory:
+            # Each trainer rank converts and sends its own shards inside the pause (miles_sync.sync.routed).
+            problems.append(
+                f"transport={self.transport.value} with conversion=raw sends each trainer rank's own shards at send "
+                "time and packs nothing ahead; set staged=false"
+            )
         if self.bucket_bytes <= 0:
             problems.append(f"bucket_bytes={self.bucket_bytes} must be positive")
         if self.fp8_block is not None and (len(self.fp8_block) != 2 or not all(b > 0 for b in self.fp8_block)):

@@ -9,24 +9,12 @@ and the pieces of every rank tile the gathered HF tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from miles_sync.export.converter import Converter, TensorMapping
+from miles_sync.weights.shard_routes import LocalPiece
 
 __all__: list[str] = []  # consumed by its tests until the shard-owned transport executes it
-
-
-@dataclass(frozen=True, kw_only=True)
-class LocalPiece:
-    """Rows/columns [start, end) along `dim` of HF tensor `hf_name` (`dim` None: all of it), and their values."""
-
-    hf_name: str
-    dim: int | None
-    start: int
-    end: int
-    tensor: torch.Tensor
 
 
 def shard_reads(

@@ -75,6 +75,10 @@ class SenderSettings:
     # gather and sends it with its weight_scale_inv; None sends the export's own dtypes.
     quantization: Fp8Block | None = None
 
+    def engine_client(self, url: str) -> EngineClient:
+        """A client of the engine at `url` with these settings' timeout and keys."""
+        return EngineClient(url, timeout_s=self.http_timeout_s, api_key=self.api_key, admin_api_key=self.admin_api_key)
+
     def __post_init__(self) -> None:
         problems = []
         if self.transport not in TRANSPORTS:
@@ -158,7 +162,7 @@ class Sender(WeightSource):
         await self.close()
         setup = RankSetup(
             is_source=self.is_source,
-            connect=self._engine_client,
+            connect=self._settings.engine_client,
             feeds=self._feeds,
             device=str(self._device),
             # A member may wait in one collective for a poster's whole HTTP call and the transfer.
@@ -173,14 +177,6 @@ class Sender(WeightSource):
             raise
         self._rank = rank
         return bound
-
-    def _engine_client(self, url: str) -> EngineClient:
-        return EngineClient(
-            url,
-            timeout_s=self._settings.http_timeout_s,
-            api_key=self._settings.api_key,
-            admin_api_key=self._settings.admin_api_key,
-        )
 
     def posted_payloads(self) -> tuple[PostedPayload, ...]:
         """What this rank posted to engines during the last finished colocated send (empty otherwise)."""

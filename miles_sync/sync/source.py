@@ -3,7 +3,9 @@
 It is what a sync needs from one rank: the export of its Megatron model (every rank runs the gather's
 collectives; the stage's source rank receives the full HF tensors) and, on the source rank, the sender that packs
 and ships them. Given a colocated feed plan (`feeds`), every rank of the plan also takes part in each colocated
-bucket: it hands its own copy to the engine ranks on its device. It owns a private event loop thread, so its
+bucket: it hands its own copy to the engine ranks on its device; with a transport that has a routed form
+(shard_direct) and raw conversion, every rank instead converts its own shards and sends the slices each engine rank
+keeps, with no gather (miles_sync.sync.routed). It owns a private event loop thread, so its
 blocking methods work the same from a plain Ray actor, an async actor (through `__ray_call__`) or a script.
 Pipelines with their own trainer actors create one through `miles_sync.embedding.attach_model`;
 `miles_sync.job.trainer.TrainerWorker` does the same for the model it builds.
@@ -25,11 +27,14 @@ from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.adapter import AdapterPayload, encode_adapter
 from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress
+from miles_sync.sync.routed import RoutedSender
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests
+from miles_sync.transport.base import transport_spec
 from miles_sync.transport.colocated import PostedPayload, find_source_rank
 from miles_sync.transport.feeds import FeedPlan, FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
+from miles_sync.weights.shard_routes import LocalPiece
 from miles_sync.wire.protocol import Selector
 
 __all__ = [
@@ -130,6 +135,7 @@ class ModelSource:
                 f"{dist.get_world_size()}"
             )
         self._feeds = feeds
+        self._conversion = ConversionMode(conversion)
         self._model, self._hf_config = model, hf_config
         self._adapters: Any = None  # LoRA adapters to sync instead of the base (attach_adapters)
         self._adapter_flatten_min_bytes = 0
@@ -153,12 +159,22 @@ class ModelSource:
             feeds=feeds,
         )
         self._loop = _LoopThread(name=f"miles-sync-source-{rank}")
-        self._sender: Sender | None = None
+        self._sender: Sender | RoutedSender | None = None
         self._call_timeout_s = collective_timeout_s
         self._unit_listeners: list[Callable[[int], None]] = []
         # The current (or last) send's acknowledged buckets, appended on the loop thread as they happen: `progress`
         # reads them from another thread while the send runs (list appends and slices are atomic in CPython).
         self._progress: list[BucketProgress] = []
+
+    def routes_own_shards(self, transport: str) -> bool:
+        """Whether a sync over `transport` runs routed (every rank sends its own shards, no gather): the transport
+        has a routed form, the conversion is raw (its converters give each rank's own slices) and a feed plan says
+        which rank feeds each engine rank."""
+        return (
+            transport_spec(transport).routed_factory is not None
+            and self._conversion is ConversionMode.RAW
+            and self._feeds is not None
+        )
 
     def describe(self) -> RankInfo:
         return self._info
@@ -187,14 +203,24 @@ class ModelSource:
             # interleave with the export's.
             source_rank = find_source_rank(is_source=self._is_source)
             role = FeedRole(plan=self._feeds, rank=self._info.rank, source_rank=source_rank)
-        sender = Sender(
-            settings=settings,
-            export=self._export,
-            names=self.exported_names,
-            is_source=self._is_source,
-            feeds=role,
-            metas=lambda: self._metas,
-        )
+        sender: Sender | RoutedSender
+        if role is not None and self.routes_own_shards(settings.transport):
+            sender = RoutedSender(
+                settings=settings,
+                pieces=self._local_pieces,
+                metas=lambda: self._metas,
+                names=self.exported_names,
+                feeds=role,
+            )
+        else:
+            sender = Sender(
+                settings=settings,
+                export=self._export,
+                names=self.exported_names,
+                is_source=self._is_source,
+                feeds=role,
+                metas=lambda: self._metas,
+            )
         bound = self._loop.run(
             sender.open(engines=engines, membership=membership),
             timeout_s=settings.call_timeout_s,
@@ -241,6 +267,11 @@ class ModelSource:
         sender = self._sender
         if sender is None:
             raise RuntimeError(f"rank {self._info.rank}: stage before open()")
+        if not sender.can_stage:
+            raise ValueError(
+                f"rank {self._info.rank}: a routed sync sends each rank's own shards at send time and packs nothing "
+                "ahead; run it with sync.staged=false"
+            )
         return self._loop.run(
             sender.stage(selector=selector, engine_digests=engine_digests),
             timeout_s=self._call_timeout_s,
@@ -253,7 +284,7 @@ class ModelSource:
         """Export and hash the current weights without sending them (every rank at once, as for `send`;
         `Sender.predict`): through the open sender, or, before any open, a sender of `settings` without transport."""
         sender = self._sender
-        if sender is None:
+        if sender is None or not sender.can_predict:  # a routed sender hashes only what it sends
             sender = Sender(
                 settings=settings, export=self._export, names=self.exported_names, is_source=self._is_source
             )
@@ -310,6 +341,15 @@ class ModelSource:
 
     def release_adapter(self) -> None:
         self._adapter_hold = None
+
+    def _local_pieces(self) -> Iterator[LocalPiece]:
+        """This rank's own shards as the HF slices it holds (no collective; views where the conversion allows)."""
+        from miles_sync.export.megatron import iter_local_pieces
+        from miles_sync.export.raw import create_converter
+
+        converter = create_converter(self._hf_config.model_type, self._hf_config)
+        for _, pieces in iter_local_pieces(self._model, converter=converter):
+            yield from pieces
 
     def _export(self) -> Iterator[ExportedUnit]:
         units = self._export_units()

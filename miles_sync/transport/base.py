@@ -16,12 +16,15 @@ in miles_sync.transport.membership, the colocated feed assignment in miles_sync.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
+from miles_sync.weights.checksum import TensorHash
+from miles_sync.weights.shard_plan import DirectLayout
+from miles_sync.weights.shard_routes import Holding, LocalPiece
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.bucket import FlattenedBucket, TensorMeta
 from miles_sync.wire.codec import WireEnum
@@ -30,10 +33,12 @@ from miles_sync.wire.protocol import Selector
 __all__ = [
     "RankSetup",
     "RankTransport",
+    "RoutedRankTransport",
     "TRANSPORTS",
     "TransportKind",
     "TransportSpec",
     "open_rank_transport",
+    "open_routed_rank",
     "transport_spec",
 ]
 
@@ -138,6 +143,11 @@ class TransportSpec:
     # the export's tensor metas, and a session whose selector covers a draft runner is refused (a direct load goes
     # to every selected runner, and a draft has none of the target's names).
     needs_engine_layouts: bool = False
+    # Every trainer rank sends its own shards, with no gather, for a source whose ranks hold them (a Megatron
+    # ModelSource in raw conversion): the dotted path of an async function taking (engines, setup, bucket_bytes,
+    # holdings) and returning a RoutedRankTransport (`open_routed_rank`). A source of full HF tensors runs
+    # `rank_factory`.
+    routed_factory: str | None = None
 
 
 TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: plain names look up too)
@@ -162,6 +172,7 @@ TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: 
         endpoints=("/update_weights_from_tensor",),
         feeds_from_every_rank=True,
         needs_engine_layouts=True,
+        routed_factory="miles_sync.transport.shard_routed.open_shard_routed_rank",
     ),
 }
 
@@ -218,6 +229,66 @@ def source_rank(
     clients = [setup.connect(e.url) for e in engines]
     targets = [EngineTarget(client=c, tp_size=e.tp_size) for c, e in zip(clients, engines)]
     return SourceRank(transport_class(engines=targets, **options), clients=clients)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedOutcome:
+    """One routed send as its source saw it: bytes built for engine ranks (each buffer once), bytes moved between
+    trainer ranks, buckets, HF tensors delivered, and per (direct layout, hash kind) every engine rank's expected
+    digests, where every rank of the layout was built; the send's wall time. Empty on other ranks."""
+
+    num_bytes: int
+    moved_bytes: int
+    num_buckets: int
+    num_tensors: int
+    digests: dict[tuple[DirectLayout, TensorHash], tuple[dict[str, str], ...]] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)  # HF checksums, where a TP=1 engine was built whole
+    send_s: float = 0.0
+
+
+@runtime_checkable
+class RoutedRankTransport(Protocol):
+    """One trainer rank's side of a transport whose ranks each send their own shards (no gather), planned at open
+    from every rank's holdings. Every rank calls `send` at once with its own slices (`LocalPiece`s: views that
+    must stay valid until it returns), the hash kinds the expected engine digests are wanted in and whether the HF
+    checksums are (`checksums`: hashed where a TP=1 engine's parameters are built whole); the source returns
+    the outcome and raises naming what failed, other ranks return an empty outcome and raise only when the group
+    fails. `on_bucket(index, num_tensors, num_bytes)` runs on the source after each acknowledged bucket (HF tensors
+    it completed, bytes built)."""
+
+    async def send(
+        self,
+        pieces: Iterable[LocalPiece],
+        *,
+        selector: Selector,
+        hashes: Sequence[TensorHash],
+        checksums: bool,
+        timeout_s: float,
+        on_bucket: Callable[[int, int, int], None] | None = None,
+    ) -> RoutedOutcome: ...
+
+    def posted_payloads(self) -> tuple[Any, ...]: ...
+
+    async def close(self, *, timeout_s: float) -> None: ...
+
+
+async def open_routed_rank(
+    name: str,
+    *,
+    engines: Sequence[EngineEndpoint],
+    setup: RankSetup,
+    bucket_bytes: int,
+    holdings: Sequence[tuple[str, Holding]],
+) -> RoutedRankTransport:
+    """This trainer rank's side of transport `name`'s routed form (its row's `routed_factory`), planned from every
+    rank's `holdings` (this rank's: (HF name, Holding) of every slice its converter gives it). Every trainer rank
+    calls it at once. Raises ValueError for a transport without a routed form."""
+    spec = transport_spec(name)
+    if spec.routed_factory is None:
+        raise ValueError(f"the {name} transport has no routed form (each rank sending its own shards)")
+    module, _, function = spec.routed_factory.rpartition(".")
+    factory = getattr(importlib.import_module(module), function)
+    return await factory(engines=engines, setup=setup, bucket_bytes=bucket_bytes, holdings=holdings)
 
 
 async def open_rank_transport(name: str, *, engines: Sequence[EngineEndpoint], setup: RankSetup) -> RankTransport:

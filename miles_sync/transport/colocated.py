@@ -27,11 +27,11 @@ import asyncio
 import contextlib
 import itertools
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -45,6 +45,8 @@ from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bu
 from miles_sync.wire.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
 
 __all__ = ["PostedPayload", "find_source_rank"]
+
+T = TypeVar("T")
 
 
 def flattened_metadata(bucket: FlattenedBucket) -> list[FlattenedTensorMetadata]:
@@ -148,6 +150,13 @@ class Collectives(Protocol):
 
     def recv_buffers(self, buffers: Sequence[torch.Tensor], *, source: int) -> None: ...
 
+    def exchange_buffers(
+        self, *, sends: Mapping[int, Sequence[torch.Tensor]], recvs: Mapping[int, Sequence[torch.Tensor]]
+    ) -> None:
+        """Send `sends[m]` to member m and receive `recvs[m]` from member m, each list in order, all at once (two
+        members may send to each other); returns when every transfer is done."""
+        ...
+
     def destroy(self) -> None: ...
 
 
@@ -171,6 +180,12 @@ class _Solo:
 
     def recv_buffers(self, buffers: Sequence[torch.Tensor], *, source: int) -> None:
         raise AssertionError("the source alone receives from nobody")
+
+    def exchange_buffers(
+        self, *, sends: Mapping[int, Sequence[torch.Tensor]], recvs: Mapping[int, Sequence[torch.Tensor]]
+    ) -> None:
+        if any(sends.values()) or any(recvs.values()):
+            raise AssertionError("the source alone exchanges with nobody")
 
     def destroy(self) -> None:
         return None
@@ -222,6 +237,16 @@ class _GlooGroup:
 
     def recv_buffers(self, buffers: Sequence[torch.Tensor], *, source: int) -> None:
         works = [self._group.recv([b], source, tag) for tag, b in enumerate(buffers)]
+        for work in works:
+            self._wait(work)
+
+    def exchange_buffers(
+        self, *, sends: Mapping[int, Sequence[torch.Tensor]], recvs: Mapping[int, Sequence[torch.Tensor]]
+    ) -> None:
+        # Every transfer is posted before any is waited for: a member that sent first and received second would
+        # otherwise wait on a peer doing the same.
+        works = [self._group.send([b], to, tag) for to, buffers in sends.items() for tag, b in enumerate(buffers)]
+        works += [self._group.recv([b], src, tag) for src, buffers in recvs.items() for tag, b in enumerate(buffers)]
         for work in works:
             self._wait(work)
 
@@ -415,15 +440,28 @@ class FanOut:
     async def lead(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
         """Source: deliver one bucket through the group. Raises TransportError naming every failure (the whole
         group saw the same ones). The exchange runs to its end even if the caller is cancelled."""
+        what = f"bucket of {len(bucket.entries)} tensors"
         try:
             contents, local = await self._run(self._delivery.prepare, bucket)
         except Exception as exc:  # nothing was announced: the members still wait for the next message
-            raise TransportError(f"bucket of {len(bucket.entries)} tensors could not be prepared: {exc}") from exc
+            raise TransportError(f"{what} could not be prepared: {exc}") from exc
+        await self.announce(contents, local, selector=selector, timeout_s=timeout_s, what=what)
+
+    async def announce(
+        self, contents: Any, local: Any | None = None, *, selector: Selector, timeout_s: float, what: str
+    ) -> None:
+        """Source: deliver one bucket the delivery describes by `contents` (with the source's `local` data, where
+        its delivery prepared any), as `lead` does after `prepare`; `what` names it in errors."""
         announcement = BucketAnnouncement(index=self._state.num_buckets, selector=selector, contents=contents)
-        self._pending = asyncio.ensure_future(self._exchange(announcement, local, timeout_s=timeout_s))
+        self._pending = asyncio.ensure_future(self._exchange(announcement, local, is_lead=True, timeout_s=timeout_s))
         failures = await asyncio.shield(self._pending)
         if failures:
-            raise TransportError(f"bucket of {len(bucket.entries)} tensors failed: " + "; ".join(failures))
+            raise TransportError(f"{what} failed: " + "; ".join(failures))
+
+    async def collective(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(collectives, *args)` on the group's thread, between buckets: for a delivery's own collectives
+        (planning at open, results after a send), which every member must enter at once."""
+        return await self._run(fn, self._collectives, *args)
 
     async def end(self, *, error: str | None) -> None:
         """Source: the send is over; lets every follower return. Waits for a bucket still in exchange first. Raises
@@ -450,7 +488,7 @@ class FanOut:
                 return
             if not isinstance(message, BucketAnnouncement):
                 raise TransportError(f"rank {self._role.rank}: unexpected fan-out message {type(message).__name__}")
-            await self._exchange(message, None, timeout_s=timeout_s)
+            await self._exchange(message, None, is_lead=False, timeout_s=timeout_s)
 
     def close(self) -> None:
         try:
@@ -465,10 +503,12 @@ class FanOut:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def _exchange(self, announcement: BucketAnnouncement, local: Any | None, *, timeout_s: float) -> list[str]:
-        """One bucket on every member: announcement (source only here), bytes, handles, posts, outcomes."""
+    async def _exchange(
+        self, announcement: BucketAnnouncement, local: Any | None, *, is_lead: bool, timeout_s: float
+    ) -> list[str]:
+        """One bucket on every member: announcement (the source's, `is_lead`), bytes, handles, posts, outcomes."""
         self._state.num_buckets += 1
-        if local is not None:
+        if is_lead:
             await self._run(self._collectives.broadcast_object, announcement)
         local = await self._run(self._delivery.receive, announcement.contents, local, self._collectives)
         handles: list[RankHandles] = await self._run(

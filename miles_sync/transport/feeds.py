@@ -77,11 +77,14 @@ class FeedPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class FeedRole:
-    """One trainer rank's view of a FeedPlan: its own rank and the export source's (which packs every bucket)."""
+    """One trainer rank's view of a FeedPlan: its own rank and the export source's (which packs every bucket).
+    `every_rank`: every trainer rank is a member of the fan-out, not only the source and the feeders (a transport
+    whose ranks send their own shards: miles_sync.transport.shard_routed)."""
 
     plan: FeedPlan
     rank: int
     source_rank: int
+    every_rank: bool = False
 
     @classmethod
     def single_source(cls, *, tp_sizes: Sequence[int]) -> FeedRole:
@@ -90,7 +93,10 @@ class FeedRole:
 
     @property
     def members(self) -> tuple[int, ...]:
-        """The ranks of the fan-out group: the source and every feeding rank, ascending."""
+        """The ranks of the fan-out group: the source and every feeding rank (every rank with `every_rank`),
+        ascending."""
+        if self.every_rank:
+            return tuple(range(self.plan.num_trainers))
         return tuple(sorted({self.source_rank, *self.plan.feeding_ranks}))
 
     @property

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,7 @@ from miles_sync.weights.layout import WeightLayout, layout_spec
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.text import raise_if
 
-__all__ = ["DirectLayout", "DirectPlan", "build_param", "is_target_layer", "plan_direct"]
+__all__ = ["DirectLayout", "DirectPlan", "assemble_param", "build_param", "is_target_layer", "plan_direct"]
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT_PART = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
@@ -280,17 +280,39 @@ def build_param(
     """Write `param` from the full HF `tensors` of its parts into `out` (a uint8 region of at least
     `param.num_bytes`) and return it there, as an engine post-processing into `weight_layout` stores it: pieces at
     their offsets, padding zeroed, the layout applied where it post-processes."""
+
+    def writes() -> Iterable[tuple[int, int, torch.Tensor]]:
+        for p in param.pieces:
+            if p.length:
+                source = tensors[p.hf_name]
+                matrix = source.reshape(matrix_shape(tuple(source.shape)))
+                yield p.dim, p.offset, matrix.narrow(p.dim, p.start, p.length)
+
+    return assemble_param(param, writes(), out=out, weight_layout=weight_layout)
+
+
+def assemble_param(
+    param: DirectParam,
+    writes: Iterable[tuple[int, int, torch.Tensor]],
+    *,
+    out: torch.Tensor,
+    weight_layout: WeightLayout,
+    before_layout: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Write `param` into `out` (a uint8 region of at least `param.num_bytes`) from `writes`, each (dim, offset,
+    slice): the slice, a matrix of HF rows (dim 0) or columns (dim 1), goes at `offset` along that dim of the
+    parameter's matrix; the writes must tile what the plan's pieces cover. Padding rows are zeroed and the layout
+    applied where it post-processes (`before_layout(matrix)` sees the parameter's matrix just before); returns the
+    parameter there."""
     rows, cols = param.matrix
     dest = out[: param.num_bytes].view(param.dtype).view(rows, cols)
     written = sum(p.length for p in param.pieces) if param.pieces[0].dim == 0 else rows
     if written < rows:
         dest[written:].zero_()
-    for p in param.pieces:
-        if not p.length:
-            continue
-        source = tensors[p.hf_name]
-        matrix = source.reshape(matrix_shape(tuple(source.shape)))
-        dest.narrow(p.dim, p.offset, p.length).copy_(matrix.narrow(p.dim, p.start, p.length))
+    for dim, offset, piece in writes:
+        dest.narrow(dim, offset, piece.shape[dim]).copy_(piece)
+    if before_layout is not None:
+        before_layout(dest)
     result = dest.view(param.shape)
     if param.is_post_processed:
         result.copy_(layout_spec(weight_layout).apply(result))

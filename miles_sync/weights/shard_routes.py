@@ -18,11 +18,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from miles_sync.weights.shard_plan import DirectPlan, matrix_shape
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.text import raise_if
 
-__all__: list[str] = []  # the routing's first consumer is its table test; the no-gather transport will import it
+__all__ = ["Build", "Holding", "LocalPiece", "Route", "RoutedSchedule", "plan_routed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +36,30 @@ class TrainerRank:
     tp_size: int
     ep_rank: int = 0
     ep_size: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalPiece:
+    """Rows/columns [start, end) along `dim` of HF tensor `hf_name` (`dim` None: all of it), and their values: what
+    one trainer rank holds of it after converting its own shard (miles_sync.export.local_pieces)."""
+
+    hf_name: str
+    dim: int | None
+    start: int
+    end: int
+    tensor: torch.Tensor
+
+    def covers(self, route: Route) -> bool:
+        """Whether this piece holds the slice `route` reads."""
+        if self.hf_name != route.hf_name:
+            return False
+        return self.dim is None or (self.dim == route.dim and self.start <= route.start and route.end <= self.end)
+
+    def read(self, route: Route) -> torch.Tensor:
+        """The slice `route` reads, as a view of this piece seen as a matrix (`matrix_shape`); `covers` must hold."""
+        matrix = self.tensor.reshape(matrix_shape(tuple(self.tensor.shape)))
+        begin = route.start - (0 if self.dim is None else self.start)
+        return matrix.narrow(route.dim, begin, route.end - route.start)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,3 +181,96 @@ def moved_bytes(routes: Iterable[Route], metas: Mapping[str, TensorMeta]) -> dic
         if route.source != route.feeder:
             moved[(route.source, route.feeder)] += route.num_bytes(metas[route.hf_name])
     return dict(moved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Build:
+    """One buffer a trainer rank builds per bucket: engine rank `tp_rank` of engine layout `layout`, built on trainer
+    rank `feeder` (every engine of that layout whose rank `tp_rank` it feeds maps the same buffer)."""
+
+    layout: int
+    tp_rank: int
+    feeder: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedBucket:
+    """One bucket of a routed send: the engine parameters it completes (`names`, plan order) and every route that
+    writes them, build by build (in `RoutedSchedule.builds` order), parameter by parameter, piece by piece."""
+
+    names: tuple[str, ...]
+    routes: tuple[Route, ...]
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        """The HF tensors this bucket's parameters are made of, in order."""
+        return tuple(dict.fromkeys(r.hf_name for r in self.routes))
+
+    def sends(self, rank: int) -> tuple[Route, ...]:
+        """The routes trainer rank `rank` sends to another rank, in order (the order its receiver expects)."""
+        return tuple(r for r in self.routes if r.source == rank != r.feeder)
+
+    def receives(self, rank: int) -> tuple[Route, ...]:
+        """The routes trainer rank `rank` receives from another rank, in order."""
+        return tuple(r for r in self.routes if r.feeder == rank != r.source)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedSchedule:
+    """A routed send, planned once per layout and export and replayed every sync: the builds and the buckets."""
+
+    builds: tuple[Build, ...]
+    buckets: tuple[RoutedBucket, ...]
+
+    def moved_bytes(self, metas: Mapping[str, TensorMeta]) -> dict[tuple[int, int], int]:
+        """Bytes each (source, feeder) pair of distinct trainer ranks moves per sync."""
+        return moved_bytes((r for b in self.buckets for r in b.routes), metas)
+
+
+def plan_routed(
+    plans: Sequence[DirectPlan],
+    holdings: Mapping[str, Sequence[Holding]],
+    *,
+    builds: Sequence[Build],
+    bucket_bytes: int,
+) -> RoutedSchedule:
+    """The routed send of `builds` (each feeder's (layout, engine rank) buffers; `plans[layout]` that layout's direct
+    plan) from the trainer ranks' `holdings`: every engine parameter in plan order, cut into buckets whose largest
+    build stays within `bucket_bytes` (a parameter larger than that travels alone), each with the routes of its
+    parameters (`route_direct`: a slice moves between trainer ranks only when its feeder does not hold it). Raises
+    ValueError, before anything moves, naming every slice no trainer rank holds or a build no plan has. Pure."""
+    raise_if(
+        [f"{b}: no such engine rank in its layout's plan" for b in builds if not 0 <= b.tp_rank < _num_ranks(plans, b)],
+        what="the routed send is refused",
+    )
+    routed: dict[tuple[int, int], tuple[Route, ...]] = {}
+    for layout, feeder in dict.fromkeys((b.layout, b.feeder) for b in builds):
+        feeders = {(layout, r): feeder for r in range(len(plans[layout].ranks))}
+        routed[(layout, feeder)] = route_direct(plans[layout], holdings, feeders=feeders, layout=layout)
+    by_param: dict[tuple[Build, str], list[Route]] = defaultdict(list)
+    for b in builds:
+        for route in routed[(b.layout, b.feeder)]:
+            if route.tp_rank == b.tp_rank:
+                by_param[(b, route.param)].append(route)
+    sizes = {
+        (b, p.name): p.num_bytes for b in builds for p in plans[b.layout].ranks[b.tp_rank]
+    }  # the bytes of each parameter in each build
+    names = list(dict.fromkeys(p.name for b in builds for p in plans[b.layout].ranks[b.tp_rank]))
+    groups: list[list[str]] = []
+    filled = dict.fromkeys(builds, 0)
+    for name in names:
+        grows = {b: filled[b] + sizes.get((b, name), 0) for b in builds}
+        if not groups or (any(filled.values()) and max(grows.values()) > bucket_bytes):
+            groups.append([])
+            grows = {b: sizes.get((b, name), 0) for b in builds}
+        groups[-1].append(name)
+        filled = grows
+    buckets = tuple(
+        RoutedBucket(names=tuple(group), routes=tuple(r for b in builds for n in group for r in by_param[(b, n)]))
+        for group in groups
+    )
+    return RoutedSchedule(builds=tuple(builds), buckets=buckets)
+
+
+def _num_ranks(plans: Sequence[DirectPlan], build: Build) -> int:
+    return len(plans[build.layout].ranks) if 0 <= build.layout < len(plans) else 0

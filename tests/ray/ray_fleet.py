@@ -26,6 +26,7 @@ from miles_sync.engine.rollout import Sample
 from miles_sync.job import rl
 from miles_sync.job.placement import PlacementPlan, plan_colocated_feeds, plan_placement
 from miles_sync.job.rl import make_prompts, reward, train_batch  # noqa: F401 - reward, train_batch: for the tests
+from miles_sync.sync.attach import attached_source
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
@@ -81,6 +82,17 @@ def mean_accept_length(samples: Sequence[Sample]) -> float:
     value = rl.mean_accept_length(samples)
     assert value is not None, "an engine with a draft reports spec_accept_length for every sample"
     return value
+
+
+def refuse_gather(actors) -> None:
+    """Make the gather export fail on every trainer rank (a unit listener that raises; cleared by the caller)."""
+
+    def refuse(index: int) -> None:  # nested: Ray pickles it by value into the trainer processes
+        raise AssertionError(f"unit {index} went through the gather export: a routed sync gathers nothing")
+
+    ray.get(
+        [a.__ray_call__.remote(lambda self: attached_source().add_unit_listener(refuse)) for a in actors], timeout=60
+    )
 
 
 def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:

@@ -33,6 +33,7 @@ from ray_fleet import (
     listeners_off_loopback,
     mean_accept_length,
     prompts,
+    refuse_gather,
     started_fleet,
     target_checksum,
     train_batch,
@@ -166,17 +167,26 @@ def test_colocated_rounds(fleet):
 
 
 def test_shard_direct_rounds(fleet):
-    """Each engine is fed by the trainer rank on its bundle: the export source builds every engine rank's own
-    parameters and sends rank 1's to trainer rank 1 point to point; each engine maps only memory of its own rank."""
-    with controller_for(fleet, TransportKind.SHARD_DIRECT) as controller:
-        accept = run_rounds(fleet, controller)
-        urls = current_urls(fleet.engines.actors)
-        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
-        for rank, actor in enumerate(fleet.trainers.actors):
-            posted = ray.get(actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60)
-            assert {(p.engine, p.url, p.tp_rank, p.feeder, p.segment_pid) for p in posted} == {
-                (rank, urls[rank], 0, rank, pids[rank])
-            }, posted
+    """Each engine is fed by the trainer rank on its bundle, with no gather (the gather export fails if it runs):
+    each rank converts its own TP shards, sends the other rank the halves its TP=1 engine lacks, and builds its
+    engine's parameters; the engine-built HF tensors are verified exact; each engine maps only memory of its own
+    rank."""
+    refuse_gather(fleet.trainers.actors)
+    try:
+        with controller_for(fleet, TransportKind.SHARD_DIRECT) as controller:
+            accept = run_rounds(fleet, controller)
+            urls = current_urls(fleet.engines.actors)
+            pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
+            for rank, actor in enumerate(fleet.trainers.actors):
+                posted = ray.get(
+                    actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60
+                )
+                assert {(p.engine, p.url, p.tp_rank, p.feeder, p.segment_pid) for p in posted} == {
+                    (rank, urls[rank], 0, rank, pids[rank])
+                }, posted
+    finally:
+        for actor in fleet.trainers.actors:
+            ray.get(actor.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60)
     print("shard_direct accept lengths", accept)
 
 

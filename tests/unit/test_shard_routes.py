@@ -15,8 +15,18 @@ import torch
 from miles_sync.export.local_pieces import local_pieces, shard_reads
 from miles_sync.export.raw import create_converter
 from miles_sync.weights.engine_layout import TPShape
-from miles_sync.weights.shard_plan import DirectLayout, plan_direct
-from miles_sync.weights.shard_routes import ShardedParam, TrainerRank, converter_holdings, moved_bytes, route_direct
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.weights.shard_plan import DirectLayout, assemble_param, build_param, plan_direct
+from miles_sync.weights.shard_routes import (
+    Build,
+    Holding,
+    ShardedParam,
+    TrainerRank,
+    converter_holdings,
+    moved_bytes,
+    plan_routed,
+    route_direct,
+)
 from miles_sync.wire.bucket import TensorMeta
 
 pytestmark = pytest.mark.unit
@@ -205,3 +215,125 @@ def test_each_rank_converts_its_own_shard_into_exactly_the_hf_slices_it_holds(ar
             assert [(p.hf_name, p.dim, p.start, p.end) for p in pieces] == shard_reads(
                 converter, mapping, partition_dim=partition_dim, rank=rank, size=size
             )
+
+
+# ---- the routed send's schedule (plan_routed), replayed here without a group -------------------------------------
+
+
+def converted_ranks(arch: str, ranks: list[TrainerRank], *, num_experts: int = 0):
+    """Random full HF tensors of a model, and each trainer rank's own pieces of them: its shards as its converter
+    reads them, converted back on that rank alone (what `iter_local_pieces` yields in a trainer)."""
+    config = types.SimpleNamespace(model_type=arch, **CONFIG, num_experts=num_experts or None, moe_intermediate_size=32)
+    converter = create_converter(arch, config)
+    generator = torch.Generator().manual_seed(1)
+    full, pieces = {}, {r.rank: [] for r in ranks}
+    for name, shape, partition_dim in model_params(arch, num_experts=num_experts):
+        mapping = converter.map_param(name, shape)
+        tensors = {n: torch.randn(s, generator=generator) for n, s in zip(mapping.hf_names, mapping.hf_shapes)}
+        full.update(tensors)
+        expert = int(name.split(".experts.")[1].split(".")[0]) if ".experts." in name else None
+
+        def read(hf_name, dim, start, stop, tensors=tensors):
+            return tensors[hf_name] if dim is None else tensors[hf_name].narrow(dim, start, stop - start)
+
+        for r in ranks:
+            if expert is not None and expert // (num_experts // r.ep_size) != r.ep_rank:
+                continue
+            rank, size = (0, 1) if expert is not None else (r.tp_rank, r.tp_size)
+            shard = converter.read_shard(
+                mapping, read, partition_dim=partition_dim, rank=rank, size=size, dtype=torch.float32
+            )
+            pieces[r.rank] += local_pieces(converter, mapping, shard, partition_dim=partition_dim, rank=rank, size=size)
+    return full, pieces
+
+
+def replay(schedule, plans, pieces):
+    """Every build of `schedule` assembled bucket by bucket from the routes' source pieces: {build: {param: tensor}}."""
+    built = {b: {} for b in schedule.builds}
+    for bucket in schedule.buckets:
+        for b in schedule.builds:
+            params = {p.name: p for p in plans[b.layout].ranks[b.tp_rank]}
+            for name in bucket.names:
+                routes = [
+                    r
+                    for r in bucket.routes
+                    if (r.layout, r.tp_rank, r.feeder, r.param) == (b.layout, b.tp_rank, b.feeder, name)
+                ]
+                writes = []
+                for r in routes:
+                    piece = next(p for p in pieces[r.source] if p.covers(r))
+                    writes.append((r.dim, r.offset, piece.read(r)))
+                out = torch.empty(params[name].num_bytes, dtype=torch.uint8)
+                built[b][name] = assemble_param(params[name], writes, out=out, weight_layout=WeightLayout.AITER).clone()
+    return built
+
+
+@pytest.mark.parametrize(
+    ("arch", "trainer_tp", "engine_tps", "num_experts"),
+    [
+        ("qwen3", 2, (1, 1), 0),  # each TP=1 engine fed by its own rank: the other half moves
+        ("qwen3", 2, (2,), 0),  # matching TP: nothing moves
+        ("qwen2", 1, (2,), 0),  # replicas into TP=2: nothing moves
+        ("llama", 2, (1, 2), 0),  # mixed engine TPs in one fleet
+        ("qwen3_moe", 1, (1, 1), 4),  # EP=2: experts of the other rank move whole
+    ],
+)
+def test_a_routed_schedule_replayed_builds_every_engine_rank_bit_exact(arch, trainer_tp, engine_tps, num_experts):
+    if num_experts:
+        ranks = [TrainerRank(rank=r, tp_rank=0, tp_size=1, ep_rank=r, ep_size=2) for r in range(2)]
+    else:
+        ranks = tp_ranks(trainer_tp)
+    full, pieces = converted_ranks(arch, ranks, num_experts=num_experts)
+    metas = {n: TensorMeta(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in full.items()}
+    shape = TPShape.from_config({**CONFIG, "num_experts": num_experts})
+    layouts = list(
+        dict.fromkeys(DirectLayout(shape=shape, tp_size=tp, weight_layout=WeightLayout.AITER) for tp in engine_tps)
+    )
+    plans = [plan_direct(metas.values(), layout=layout) for layout in layouts]
+    # Engine j's TP rank t is fed by trainer rank (j + t) % 2, as a colocated plan puts ranks on devices.
+    builds = [
+        Build(
+            layout=layouts.index(DirectLayout(shape=shape, tp_size=tp, weight_layout=WeightLayout.AITER)),
+            tp_rank=t,
+            feeder=(j + t) % 2,
+        )
+        for j, tp in enumerate(engine_tps)
+        for t in range(tp)
+    ]
+    holdings = {}
+    for rank, rank_pieces in pieces.items():
+        for p in rank_pieces:
+            holdings.setdefault(p.hf_name, []).append(Holding(rank=rank, dim=p.dim, start=p.start, end=p.end))
+    cap = 40_000
+    schedule = plan_routed(plans, holdings, builds=builds, bucket_bytes=cap)
+
+    names = [n for bucket in schedule.buckets for n in bucket.names]
+    assert sorted(names) == sorted({p.name for p in plans[0].ranks[0]}) and len(names) == len(set(names))
+    assert len(schedule.buckets) > 1
+    for bucket in schedule.buckets:
+        sizes = [sum(p.num_bytes for p in plans[b.layout].ranks[b.tp_rank] if p.name in bucket.names) for b in builds]
+        assert max(sizes) <= cap or len(bucket.names) == 1, (bucket.names, sizes)
+        for rank in (0, 1):  # what one rank sends to another is exactly what that one receives from it, in order
+            assert [r for r in bucket.sends(rank)] == [r for r in bucket.receives(1 - rank)]
+
+    built = replay(schedule, plans, pieces)
+    for b in builds:
+        for param in plans[b.layout].ranks[b.tp_rank]:
+            expected = build_param(
+                param, full, out=torch.empty(param.num_bytes, dtype=torch.uint8), weight_layout=WeightLayout.AITER
+            )
+            assert torch.equal(built[b][param.name], expected), (b, param.name)
+
+    moved = schedule.moved_bytes(metas)
+    if (trainer_tp, engine_tps) in ((2, (2,)), (1, (2,))):
+        assert moved == {}
+    else:
+        assert moved and all(a != b for a, b in moved)
+
+
+def test_a_routed_build_of_an_engine_rank_the_plan_lacks_is_refused():
+    params, metas = sharded("qwen3")
+    plan = plan_direct(metas.values(), layout=DirectLayout(shape=SHAPE, tp_size=1))
+    holdings = converter_holdings(params, ranks=tp_ranks(2))
+    with pytest.raises(ValueError, match=r"tp_rank=1, feeder=0\): no such engine rank"):
+        plan_routed([plan], holdings, builds=[Build(layout=0, tp_rank=1, feeder=0)], bucket_bytes=1 << 20)

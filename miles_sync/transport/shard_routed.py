@@ -1,0 +1,471 @@
+"""Shard-direct without a gather: every trainer rank converts its own Megatron shards and sends each engine rank's
+feeder only the slices that feeder does not hold; each feeder builds its engine ranks' own parameters
+(`load_format: "direct"`, as miles_sync.transport.shard_direct) from its own slices and the ones it received.
+
+The plan (miles_sync.weights.shard_routes.plan_routed) is made once at open, on every rank alike: each rank's
+holdings (what its converter gives it, from one conversion pass) are all-gathered over the fan-out group, which
+here has every trainer rank as a member (`FeedRole.every_rank`). It is replayed every sync. Per scheduled bucket:
+
+    source:  announce the bucket's index (no bytes: nobody gathers anything)
+    every rank: send the slices other feeders need (point to point, all posted at once), receive its own
+    feeders: build each (layout, engine rank) buffer from its slices, hash every parameter as built (the digests
+             its engine rank's checker must answer), encode one direct payload per engine rank it feeds
+    posters: POST update_weights_from_tensor, as the colocated fan-out does (miles_sync.transport.colocated)
+
+After the send every rank all-gathers its digests, so the source returns each engine layout's expected per-rank
+digests without ever holding a full tensor. A direct load runs no weight loader, so payloads name the target's
+parameters only (the session refuses a selector that covers a draft runner, as for shard_direct).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_sync.transport.base import EngineTarget, RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
+from miles_sync.transport.colocated import Collectives, FanOut, PostedPayload, ReceiveBuffer, open_fan_out
+from miles_sync.transport.feeds import FeedRole
+from miles_sync.transport.membership import EngineEndpoint
+from miles_sync.weights.checksum import TensorHash, sglang_digest, sglang_reported_name, tensor_checksum
+from miles_sync.weights.shard_plan import DirectLayout, DirectParam, assemble_param, plan_direct
+from miles_sync.weights.shard_routes import Build, Holding, LocalPiece, Route, RoutedSchedule, plan_routed
+from miles_sync.wire.bucket import BucketEntry, TensorMeta, bucket_layout, unpack_bucket
+from miles_sync.wire.payload import encode_named_tensors
+from miles_sync.wire.protocol import LoadFormat, Selector
+from miles_sync.wire.text import raise_if
+
+__all__: list[str] = []  # reached through the transport registry only
+
+_TARGET_ROLE = "target"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedBucketIndex:
+    """Source -> members: the next bucket of the schedule every member already holds."""
+
+    index: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankHoldings:
+    """A member's holdings, all-gathered at open: every HF slice it converts its own shards into."""
+
+    rank: int
+    holdings: tuple[tuple[str, Holding], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildDigests:
+    """What one build's engine rank must answer, per hash kind: {reported name: digest}; and, for a build of a
+    TP=1 engine (which holds every HF tensor whole), the HF checksum of every tensor it assembled."""
+
+    build: Build
+    digests: dict[TensorHash, dict[str, str]]
+    checksums: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Failed:
+    """A member's bucket that could not be built: `encode` reports it through the group."""
+
+    message: str
+
+
+class RoutedDelivery:
+    """The fan-out delivery of a routed send (module docstring). `layouts[j]` is engine j's layout; `metas` the
+    export's tensors (every rank plans from them); `bucket_bytes` caps the largest build of a bucket."""
+
+    load_format = LoadFormat.DIRECT
+
+    def __init__(
+        self,
+        *,
+        role: FeedRole,
+        layouts: Sequence[DirectLayout],
+        metas: Sequence[TensorMeta],
+        bucket_bytes: int,
+        device: torch.device,
+    ) -> None:
+        if not metas:
+            raise ValueError("a routed shard_direct send needs the export's tensor metas; this rank gives none")
+        self._distinct = list(dict.fromkeys(layouts))
+        self._layout_of = [self._distinct.index(layout) for layout in layouts]
+        self._role = role
+        self._device = device
+        self._bucket_bytes = bucket_bytes
+        self._metas = {m.name: m for m in metas}
+        self._plans = [plan_direct(metas, layout=layout) for layout in self._distinct]
+        self._params = [[{p.name: p for p in params} for params in plan.ranks] for plan in self._plans]
+        plan = role.plan
+        self._builds = tuple(
+            sorted(
+                {
+                    Build(layout=self._layout_of[j], tp_rank=r, feeder=f)
+                    for f in role.members
+                    for j, r in plan.feeds_of(f)
+                },
+                key=lambda b: (b.feeder, b.layout, b.tp_rank),
+            )
+        )
+        self._member_of = {rank: i for i, rank in enumerate(role.members)}
+        self._schedule: RoutedSchedule | None = None
+        self._buffers: dict[Build, ReceiveBuffer] = {}
+        self._pieces: dict[str, list[LocalPiece]] = {}
+        self._hashes: tuple[TensorHash, ...] = ()
+        self._wants_checksums = False
+        self._digests: dict[Build, dict[TensorHash, dict[str, str]]] = {}
+        self._checksums: dict[Build, dict[str, str]] = {}
+
+    @property
+    def schedule(self) -> RoutedSchedule:
+        if self._schedule is None:
+            raise TransportError("the routed send was not planned (open it first)")
+        return self._schedule
+
+    def plan(self, collectives: Collectives, holdings: Sequence[tuple[str, Holding]]) -> RoutedSchedule:
+        """All-gather every member's holdings and plan the send (the same schedule on every member; a refused plan
+        raises the same ValueError on every member, before any byte moves)."""
+        gathered: list[RankHoldings] = collectives.all_gather_object(
+            RankHoldings(rank=self._role.rank, holdings=tuple(holdings))
+        )
+        every: dict[str, list[Holding]] = defaultdict(list)
+        for rank in gathered:
+            for name, holding in rank.holdings:
+                every[name].append(holding)
+        self._schedule = plan_routed(self._plans, every, builds=self._builds, bucket_bytes=self._bucket_bytes)
+        return self._schedule
+
+    def load(self, pieces: Iterable[LocalPiece], *, hashes: Sequence[TensorHash], checksums: bool) -> None:
+        """This rank's own slices for the next send (views stay valid until it ends), the hash kinds its builds'
+        digests are wanted in and whether its TP=1 builds' HF checksums are."""
+        self._pieces = defaultdict(list)
+        for piece in pieces:
+            self._pieces[piece.hf_name].append(piece)
+        self._hashes = tuple(dict.fromkeys(hashes))
+        self._wants_checksums = checksums
+        self._digests = {}
+        self._checksums = {}
+
+    def digests(self) -> tuple[BuildDigests, ...]:
+        """The digests of every parameter this rank built in the last send."""
+        return tuple(
+            BuildDigests(build=b, digests=d, checksums=self._checksums.get(b, {})) for b, d in self._digests.items()
+        )
+
+    def moved_bytes(self) -> int:
+        """Bytes moved between trainer ranks per send."""
+        return sum(self.schedule.moved_bytes(self._metas).values())
+
+    def num_bytes(self, bucket: int | None = None) -> int:
+        """Bytes of every build's parameters (each build once) per send, or in bucket `bucket`."""
+        names = None if bucket is None else set(self.schedule.buckets[bucket].names)
+        return sum(
+            p.num_bytes
+            for b in self._builds
+            for p in self._params[b.layout][b.tp_rank].values()
+            if names is None or p.name in names
+        )
+
+    def checksums(self, gathered: Sequence[Sequence[BuildDigests]]) -> dict[str, str]:
+        """The HF checksums of every tensor, from the first TP=1 build among the members' `digests()` (empty when
+        the fleet has no TP=1 engine: then no engine answers HF-named digests either)."""
+        return next((dict(b.checksums) for rank in gathered for b in rank if b.checksums), {})
+
+    def expected(
+        self, gathered: Sequence[Sequence[BuildDigests]]
+    ) -> dict[tuple[DirectLayout, TensorHash], tuple[dict[str, str], ...]]:
+        """Per (layout, hash kind), every engine rank's digests from the members' `digests()`; a layout some rank
+        of which nobody built is left out (its engines are verified by replica agreement)."""
+        by_rank: dict[tuple[int, TensorHash, int], dict[str, str]] = {}
+        for rank_digests in gathered:
+            for built in rank_digests:
+                for kind, digests in built.digests.items():
+                    by_rank.setdefault((built.build.layout, kind, built.build.tp_rank), digests)
+        out = {}
+        for index, layout in enumerate(self._distinct):
+            for kind in self._hashes:
+                ranks = [by_rank.get((index, kind, r)) for r in range(layout.tp_size)]
+                if all(r is not None for r in ranks):
+                    out[(layout, kind)] = tuple(ranks)
+        return out
+
+    # ---- Delivery ----------------------------------------------------------------------------------------------
+
+    def prepare(self, bucket: object) -> tuple[object, object]:
+        raise TransportError("a routed send has no source bucket: its source announces each scheduled bucket")
+
+    def receive(
+        self, contents: RoutedBucketIndex, local: object | None, collectives: Collectives
+    ) -> dict[Build, tuple[tuple[BucketEntry, ...], torch.Tensor]] | _Failed:
+        bucket = self.schedule.buckets[contents.index]
+        me = self._role.rank
+        problems: list[str] = []
+        sends: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for route in bucket.sends(me):
+            try:
+                data = self._read(route).contiguous()
+            except TransportError as exc:  # still send the slice's size: the feeder waits for it
+                problems.append(str(exc))
+                data = torch.zeros(self._slice_shape(route), dtype=self._metas[route.hf_name].dtype)
+            sends[self._member_of[route.feeder]].append(data.to(self._device))
+        incoming = bucket.receives(me)
+        received: dict[Route, torch.Tensor] = {}
+        recvs: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for route in incoming:
+            buffer = torch.empty(self._slice_shape(route), dtype=self._metas[route.hf_name].dtype, device=self._device)
+            received[route] = buffer
+            recvs[self._member_of[route.source]].append(buffer)
+        collectives.exchange_buffers(sends=sends, recvs=recvs)
+        routes_of: dict[tuple[Build, str], list[Route]] = defaultdict(list)
+        for route in bucket.routes:
+            if route.feeder == me:
+                routes_of[(Build(layout=route.layout, tp_rank=route.tp_rank, feeder=me), route.param)].append(route)
+        if problems:  # reported by `encode`, through the group: every member fails this bucket together
+            return _Failed(message="; ".join(problems))
+        try:
+            return {
+                build: self._build(build, bucket.names, routes_of, received)
+                for build in self._builds
+                if build.feeder == me
+            }
+        except Exception as exc:
+            return _Failed(message=f"rank {me} could not build its engine ranks' parameters: {exc}")
+
+    def encode(
+        self,
+        contents: RoutedBucketIndex,
+        local: Mapping[Build, tuple[tuple[BucketEntry, ...], torch.Tensor]] | _Failed,
+        *,
+        feeds: Sequence[tuple[int, int]],
+    ) -> list[str | None]:
+        if isinstance(local, _Failed):
+            raise TransportError(local.message)
+        payloads: list[str | None] = []
+        for j, tp_rank in feeds:
+            entries, buffer = local.get(
+                Build(layout=self._layout_of[j], tp_rank=tp_rank, feeder=self._role.rank), ((), None)
+            )
+            payloads.append(None if not entries else encode_named_tensors(unpack_bucket(buffer, entries)))
+        return payloads
+
+    def end_send(self) -> str | None:
+        return None
+
+    def reset(self) -> None:
+        self._pieces = {}
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _build(
+        self,
+        build: Build,
+        names: Sequence[str],
+        routes_of: Mapping[tuple[Build, str], Sequence[Route]],
+        received: Mapping[Route, torch.Tensor],
+    ) -> tuple[tuple[BucketEntry, ...], torch.Tensor]:
+        """This bucket's parameters of one build, assembled into its buffer and hashed."""
+        params: dict[str, DirectParam] = self._params[build.layout][build.tp_rank]
+        entries = bucket_layout([params[n].meta for n in names if n in params])
+        buffer = self._buffer(build).take(entries[-1].end if entries else 0)
+        weight_layout = self._distinct[build.layout].weight_layout
+        digests = self._digests.setdefault(build, {kind: {} for kind in self._hashes})
+        is_whole = self._distinct[build.layout].tp_size == 1
+        checksums = self._checksums.setdefault(build, {}) if is_whole and self._wants_checksums else None
+        for e in entries:
+            param = params[e.name]
+            writes = (
+                (r.dim, r.offset, received[r] if r in received else self._read(r)) for r in routes_of[(build, e.name)]
+            )
+            hf = None if checksums is None else functools.partial(self._hf_checksums, param, checksums)
+            tensor = assemble_param(
+                param, writes, out=buffer[e.start : e.end], weight_layout=weight_layout, before_layout=hf
+            )
+            for kind in self._hashes:
+                digests[kind][sglang_reported_name(_TARGET_ROLE, param.name)] = sglang_digest(tensor, kind)
+        return entries, buffer
+
+    def _hf_checksums(self, param: DirectParam, out: dict[str, str], matrix: torch.Tensor) -> None:
+        """At TP=1 each piece of a parameter is a whole HF tensor: its checksum, as a gathered send reports it."""
+        for piece in param.pieces:
+            meta = self._metas[piece.hf_name]
+            out[piece.hf_name] = tensor_checksum(
+                matrix.narrow(piece.dim, piece.offset, piece.length).reshape(meta.shape)
+            )
+
+    def _read(self, route: Route) -> torch.Tensor:
+        piece = next((p for p in self._pieces.get(route.hf_name, ()) if p.covers(route)), None)
+        if piece is None:
+            raise TransportError(
+                f"rank {self._role.rank} holds no slice [{route.start}, {route.end}) along dim {route.dim} of "
+                f"{route.hf_name}, which the plan routes from it (its shards changed layout since open?)"
+            )
+        return piece.read(route)
+
+    def _slice_shape(self, route: Route) -> tuple[int, int]:
+        rows, cols = _matrix(self._metas[route.hf_name])
+        length = route.end - route.start
+        return (length, cols) if route.dim == 0 else (rows, length)
+
+    def _buffer(self, build: Build) -> ReceiveBuffer:
+        if build not in self._buffers:
+            self._buffers[build] = ReceiveBuffer(self._device)
+        return self._buffers[build]
+
+
+def _matrix(meta: TensorMeta) -> tuple[int, int]:
+    shape = tuple(meta.shape)
+    if not shape:
+        return 1, 1
+    cols = 1
+    for size in shape[1:]:
+        cols *= size
+    return shape[0], cols
+
+
+class ShardRoutedRank(RoutedRankTransport):
+    """One trainer rank's side of a routed send: its fan-out (every trainer rank is a member) and delivery. Every
+    rank calls `send` at once with its own slices; the source leads each scheduled bucket, the others follow."""
+
+    def __init__(self, *, fan_out: FanOut, delivery: RoutedDelivery, clients: Sequence[object]) -> None:
+        self._fan_out = fan_out
+        self._delivery = delivery
+        self._clients = tuple(clients)
+
+    @property
+    def schedule(self) -> RoutedSchedule:
+        return self._delivery.schedule
+
+    async def plan(self, holdings: Sequence[tuple[str, Holding]]) -> RoutedSchedule:
+        """Plan the send from every rank's holdings (a collective over the fan-out: every rank at once)."""
+        return await self._fan_out.collective(self._delivery.plan, holdings)
+
+    async def send(
+        self,
+        pieces: Iterable[LocalPiece],
+        *,
+        selector: Selector,
+        hashes: Sequence[TensorHash],
+        checksums: bool,
+        timeout_s: float,
+        on_bucket: Callable[[int, int, int], None] | None = None,
+    ) -> RoutedOutcome:
+        """Send this rank's slices (every rank at once). The source returns the outcome with every layout's expected
+        digests and raises TransportError naming what failed; other ranks return an empty outcome and raise only
+        when the group itself fails. `on_bucket(index, num_tensors, num_bytes)` runs on the source after each
+        acknowledged bucket."""
+        start = time.perf_counter()
+        schedule = self._delivery.schedule
+        self._delivery.load(pieces, hashes=hashes, checksums=checksums)
+        error: BaseException | None = None
+        try:
+            if self._fan_out.is_source:
+                try:
+                    for index, bucket in enumerate(schedule.buckets):
+                        await self._fan_out.announce(
+                            RoutedBucketIndex(index=index),
+                            selector=selector,
+                            timeout_s=timeout_s,
+                            what=f"routed bucket {index + 1}/{len(schedule.buckets)} ({len(bucket.names)} parameters)",
+                        )
+                        if on_bucket is not None:
+                            on_bucket(index, len(bucket.hf_names), self._delivery.num_bytes(index))
+                except BaseException as exc:
+                    error = exc
+                await self._fan_out.end(error=None if error is None else f"the source failed: {error}")
+            else:
+                await self._fan_out.follow(timeout_s=timeout_s)
+        except BaseException as exc:
+            error = error or exc
+        # Every member enters this gather, after a failure too (the source released the followers first): a member
+        # missing from it would leave its peers blocked until the group's timeout.
+        gathered: list = []
+        try:
+            gathered = await self._fan_out.collective(_all_gather, self._delivery.digests())
+        except BaseException:
+            if error is None:
+                raise
+        finally:
+            self._delivery.reset()
+        if error is not None:
+            raise error
+        if not self._fan_out.is_source:
+            return RoutedOutcome(num_bytes=0, moved_bytes=0, num_buckets=0, num_tensors=0)
+        return RoutedOutcome(
+            num_bytes=self._delivery.num_bytes(),
+            moved_bytes=self._delivery.moved_bytes(),
+            num_buckets=len(schedule.buckets),
+            num_tensors=sum(len(b.hf_names) for b in schedule.buckets),
+            digests=self._delivery.expected(gathered),
+            checksums=self._delivery.checksums(gathered),
+            send_s=time.perf_counter() - start,
+        )
+
+    def posted_payloads(self) -> tuple[PostedPayload, ...]:
+        return self._fan_out.posted()
+
+    async def close(self, *, timeout_s: float) -> None:
+        try:
+            self._fan_out.close()
+        finally:
+            for client in self._clients:
+                await client.close()
+
+
+def _all_gather(collectives: Collectives, obj: object) -> list:
+    return collectives.all_gather_object(obj)
+
+
+async def open_shard_routed_rank(
+    *, engines: Sequence[EngineEndpoint], setup: RankSetup, bucket_bytes: int, holdings: Sequence[tuple[str, Holding]]
+) -> ShardRoutedRank:
+    """This rank's side of a routed send over `engines`: its fan-out with every trainer rank a member (a collective
+    over the trainer's default group: every rank opens at once), then the plan from every rank's `holdings` (a
+    collective over the fan-out). Raises ValueError, on every rank alike, for an engine without a layout, a feed
+    plan that does not match the engines, or a plan that leaves a slice unheld, before any byte moves."""
+    raise_if(
+        [f"{e.url}: its parameter layout is unknown" for e in engines if e.direct is None],
+        what="the shard_direct transport needs every engine's parameter layout",
+    )
+    if setup.feeds is None:
+        raise ValueError(
+            "a routed shard_direct send needs a colocated feed plan (which trainer rank feeds each engine rank)"
+        )
+    role = FeedRole(plan=setup.feeds.plan, rank=setup.feeds.rank, source_rank=setup.feeds.source_rank, every_rank=True)
+    role.plan.check_engines(engines)
+    delivery = RoutedDelivery(
+        role=role,
+        layouts=[e.direct for e in engines],
+        metas=setup.metas,
+        bucket_bytes=bucket_bytes,
+        device=torch.device(setup.device),
+    )
+    clients = {j: setup.connect(engines[j].url) for j in sorted(set(role.plan.posted_by(role.rank)))}
+    targets = [
+        EngineTarget(client=clients[j], tp_size=e.tp_size) if j in clients else None for j, e in enumerate(engines)
+    ]
+    try:
+        fan_out = await asyncio.to_thread(
+            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, delivery=delivery
+        )
+        if fan_out is None:
+            raise AssertionError(f"rank {role.rank} is not a member of a fan-out of every rank")
+        rank = ShardRoutedRank(fan_out=fan_out, delivery=delivery, clients=list(clients.values()))
+    except BaseException:
+        for client in clients.values():
+            await client.close()
+        raise
+    try:
+        await rank.plan(holdings)
+    except BaseException:
+        await rank.close(timeout_s=setup.fan_out_timeout_s)
+        raise
+    return rank
