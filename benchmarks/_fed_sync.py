@@ -29,6 +29,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from _procstat import machine_busy_seconds
 from _repeat import median_of
 from _sync_models import MODELS, checkpoint_dir
 
@@ -129,6 +130,7 @@ def bench_case(
         stack.callback(trainers.shutdown)
         reports = {t: [] for t in TRANSPORTS}
         received = {t: [] for t in TRANSPORTS}
+        cpu = {t: [] for t in TRANSPORTS}
         # One controller at a time (each opens its own transport on the trainer ranks), alternating transports so
         # that drift hits both; its first sync sets the transport up and touches every buffer, the median of the
         # `syncs` after it counts.
@@ -152,15 +154,16 @@ def bench_case(
                 )
                 try:
                     sync_once(controller)
-                    before = received_bytes(engines.urls)
+                    before, busy = received_bytes(engines.urls), machine_busy_seconds()
                     counted = sorted((sync_once(controller) for _ in range(syncs)), key=lambda r: r.total_s)
+                    cpu[transport].append((machine_busy_seconds() - busy) / syncs)
                     reports[transport].append(counted[len(counted) // 2])
                     after = received_bytes(engines.urls)
                     received[transport].append([(a - b) // syncs for a, b in zip(after, before)])
                 finally:
                     ray.get(controller.close.remote(), timeout=CALL_TIMEOUT_S)
                     ray.kill(controller)
-    reps = [fed_rows(case, reports, received, i, model_bytes=model_bytes) for i in range(repeats)]
+    reps = [fed_rows(case, reports, received, cpu, i, model_bytes=model_bytes) for i in range(repeats)]
     rows = median_of(reps)
     for row, transport in zip(rows, TRANSPORTS):  # every repetition's times beside their medians
         row["total_s_each"] = [r.total_s for r in reports[transport]]
@@ -171,9 +174,11 @@ def bench_case(
     return rows, reps
 
 
-def fed_rows(case: FedCase, reports: dict, received: dict, i: int, *, model_bytes: int) -> list[dict]:
+def fed_rows(case: FedCase, reports: dict, received: dict, cpu: dict, i: int, *, model_bytes: int) -> list[dict]:
     """Repetition `i`'s row per transport; shard_direct's with its ratios over colocated's of the same
-    repetition."""
+    repetition. `cpu_s`: the machine's busy CPU seconds per counted sync (every trainer, engine and controller
+    process together): on this machine's cores a sync takes at least cpu_s / cores of wall time, so the CPU-time
+    ratio beside the wall-time one is what the cores allow."""
     rows = []
     for transport in TRANSPORTS:
         report, per_rank = reports[transport][i], received[transport][i]
@@ -185,10 +190,12 @@ def fed_rows(case: FedCase, reports: dict, received: dict, i: int, *, model_byte
                 "send_s": report.phases.send_s,
                 "bytes_per_engine_rank": per_rank,
                 "recv_per_rank_over_model": max(per_rank) / model_bytes,
+                "cpu_s": cpu[transport][i],
             }
         )
     colocated, direct = rows
     direct["total_s_over_colocated"] = direct["total_s"] / colocated["total_s"]
+    direct["cpu_s_over_colocated"] = direct["cpu_s"] / colocated["cpu_s"]
     direct["send_s_over_colocated"] = direct["send_s"] / colocated["send_s"]
     return rows
 
@@ -217,12 +224,16 @@ def print_fed_table(section: dict) -> None:
         f"{section['model_bytes'] / MIB:.1f} MiB, verify off; medians [min-max] of {section['repeats']} alternating"
         " syncs; recv/model: the busiest engine rank's bytes over the model's)"
     )
-    print(f"  {'case':<31}{'transport':<14}{'total s':>22}{'recv/rank MiB':>22}{'recv/model':>11}{'/colocated':>11}")
+    print(
+        f"  {'case':<31}{'transport':<14}{'total s':>22}{'recv/rank MiB':>22}{'recv/model':>11}{'/colocated':>11}"
+        f"{'CPU s':>7}{'CPU /colocated':>15}"
+    )
     for c in section["cases"]:
         spread = f"{c['total_s']:.3f} [{min(c['total_s_each']):.3f}-{max(c['total_s_each']):.3f}]"
         per_rank = "/".join(f"{n / MIB:.1f}" for n in c["bytes_per_engine_rank"])
         ratio = f"{c['total_s_over_colocated']:.2f}" if "total_s_over_colocated" in c else "-"
+        cpu_ratio = f"{c['cpu_s_over_colocated']:.2f}" if "cpu_s_over_colocated" in c else "-"
         print(
             f"  {c['case']:<31}{c['transport']:<14}{spread:>22}{per_rank:>22}{c['recv_per_rank_over_model']:>11.3f}"
-            f"{ratio:>11}"
+            f"{ratio:>11}{c['cpu_s']:>7.3f}{cpu_ratio:>15}"
         )

@@ -75,6 +75,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime and stime: fields 14 and 15 of stat(5)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of this machine has spent busy so far (user, nice, system, irq, softirq, steal), from
+    /proc/stat: over a sync on an otherwise quiet machine, what every process of it used together."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of `pid` (every thread's children file, deduplicated)."""
     children: set[int] = set()

@@ -229,6 +229,7 @@ def _combine(results: Sequence[SendResult], *, start: float) -> SendResult:
         send_s=time.perf_counter() - start,
         engine_checksums=engine_checksums,
         quantize_s=sum(r.quantize_s for r in results),
+        names=tuple(n for r in results for n in r.names),
     )
 
 

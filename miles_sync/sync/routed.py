@@ -145,6 +145,7 @@ class RoutedSender(WeightSource):
             pack_s=0.0,
             send_s=time.perf_counter() - start,
             engine_checksums=expected,
+            names=outcome.names,
         )
 
     def posted_payloads(self) -> tuple[PostedPayload, ...]:

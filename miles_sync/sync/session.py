@@ -342,6 +342,7 @@ async def _verify_fleet(
         engine_checksums=sent.engine_checksums,
         layouts=layouts,
         hf_named=hf_named_urls(fleet.engines),
+        sent_names=sent.sent_names(),
     )
     failures = []
     for engine in fleet.engines:

@@ -202,6 +202,7 @@ def fleet_verdicts(
     predicted: Mapping[str, Sequence[Mapping[str, str]]],
     fallbacks: Mapping[str, str] | None = None,
     hashes: Mapping[str, str] | None = None,
+    sent_names: Collection[str] | None = None,
 ) -> dict[str, Verdict]:
     """Every engine's verdict by the strongest check its answer allows (see the module docstring).
 
@@ -209,7 +210,8 @@ def fleet_verdicts(
     URLs answering HF-named digests (exact). `predicted`: per URL with a layout model, the expected per-rank engine
     digests (engine-exact, when its answer holds 16-hex digests), computed with `hashes[url]` (default "sha256"),
     which the verdict names. Every other engine goes to the replica check; `fallbacks` says why it had no layout
-    model, and a failure message carries that reason.
+    model, and a failure message carries that reason. `sent_names`: every HF tensor sent, where `sent` does not
+    name them all (default: `sent`'s names).
     """
     reasons = dict(fallbacks or {})
     verdicts: dict[str, Verdict] = {}
@@ -224,7 +226,10 @@ def fleet_verdicts(
             reasons[url] = "its digests are not 16-hex tensor hashes"
             continue
         problems, num_verified = engine_exact_problems(
-            expected=expected, ranks=answers[url], selector=selector, sent_names=sent.keys()
+            expected=expected,
+            ranks=answers[url],
+            selector=selector,
+            sent_names=sent.keys() if sent_names is None else sent_names,
         )
         message = shorten(problems, limit=_NUM_PROBLEMS_SHOWN, sep="; ")
         method = engine_exact((hashes or {}).get(url, "sha256"))
@@ -250,9 +255,11 @@ def sent_verdicts(
     engine_checksums: Mapping[EngineLayout, Sequence[Mapping[str, str]]],
     layouts: FleetLayouts,
     hf_named: Collection[str],
+    sent_names: Collection[str] | None = None,
 ) -> dict[str, Verdict]:
-    """`fleet_verdicts` for what the source sent (or would send): its HF `checksums` and, per layout, its predicted
-    `engine_checksums`; an engine whose layout the source did not predict goes to the replica check, saying so."""
+    """`fleet_verdicts` for what the source sent (or would send): its HF `checksums` (and `sent_names`, every HF
+    tensor sent, where the checksums do not name them all) and, per layout, its predicted `engine_checksums`; an
+    engine whose layout the source did not predict goes to the replica check, saying so."""
     predicted = {url: engine_checksums[layout] for url, layout in layouts.by_url.items() if layout in engine_checksums}
     unpredicted = {url: "the source sent no digests for its layout" for url in layouts.by_url if url not in predicted}
     return fleet_verdicts(
@@ -263,6 +270,7 @@ def sent_verdicts(
         predicted=predicted,
         fallbacks={**layouts.fallbacks, **unpredicted},
         hashes={url: layout.tensor_hash.value for url, layout in layouts.by_url.items()},
+        sent_names=sent_names,
     )
 
 

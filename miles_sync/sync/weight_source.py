@@ -36,6 +36,13 @@ class SendResult:
     send_s: float
     engine_checksums: dict[EngineLayout, tuple[dict[str, str], ...]] = field(default_factory=dict)
     quantize_s: float = 0.0  # block-FP8 quantization on the source, overlapped with sending (0 without it)
+    # The HF tensors sent where `checksums` does not name them all: a routed send (miles_sync.sync.routed) hashes
+    # HF tensors only where a TP=1 engine's parameters are built whole.
+    names: tuple[str, ...] = ()
+
+    def sent_names(self) -> tuple[str, ...]:
+        """Every HF tensor this send delivered (the engine-exact check maps engine parameters back to them)."""
+        return tuple(dict.fromkeys((*self.checksums, *self.names)))
 
 
 @dataclass(frozen=True, kw_only=True)

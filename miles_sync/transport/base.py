@@ -243,6 +243,7 @@ class RoutedOutcome:
     num_tensors: int
     digests: dict[tuple[DirectLayout, TensorHash], tuple[dict[str, str], ...]] = field(default_factory=dict)
     checksums: dict[str, str] = field(default_factory=dict)  # HF checksums, where a TP=1 engine was built whole
+    names: tuple[str, ...] = ()  # the HF tensors delivered
     send_s: float = 0.0
 
 

@@ -404,6 +404,7 @@ class ShardRoutedRank(RoutedRankTransport):
             moved_bytes=self._delivery.moved_bytes(),
             num_buckets=len(schedule.buckets),
             num_tensors=sum(len(b.hf_names) for b in schedule.buckets),
+            names=tuple(n for b in schedule.buckets for n in b.hf_names),
             digests=self._delivery.expected(gathered),
             checksums=self._delivery.checksums(gathered),
             send_s=time.perf_counter() - start,

@@ -108,6 +108,8 @@ def test_each_trainer_rank_feeds_its_own_engine_rank_without_a_gather_verified_e
             assert report.transport == "shard_direct"
             (result,) = report.engines
             assert result.success and result.verification.startswith("engine-exact"), result
+            # Every HF tensor sent is accounted for by the engine parameters that matched.
+            assert result.num_verified_tensors == report.num_tensors > 0, (result, report.num_tensors)
             assert result.weight_version == report.version
             samples = ray.get(engine.generate.remote(prompts(round_index), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
             assert {s.weight_version for s in samples} == {report.version}

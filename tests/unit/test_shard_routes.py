@@ -275,6 +275,7 @@ def replay(schedule, plans, pieces):
         ("qwen3", 2, (2,), 0),  # matching TP: nothing moves
         ("qwen2", 1, (2,), 0),  # replicas into TP=2: nothing moves
         ("llama", 2, (1, 2), 0),  # mixed engine TPs in one fleet
+        ("qwen3", 2, (4,), 0),  # engine TP=4 from trainer TP=2, ranks fed alternately: halves move
         ("qwen3_moe", 1, (1, 1), 4),  # EP=2: experts of the other rank move whole
     ],
 )
