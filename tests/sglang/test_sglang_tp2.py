@@ -9,31 +9,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import ray
+from routed_rounds import routed_rounds
 from sender_host import SenderSettings, exported_names, load_checkpoint
 from sglang_server import sglang_server
 
-from actors.controller import create_controller
-from actors.trainer import create_trainers
-from launch.cluster import connect_ray
-from miles_sync.config import ClusterConfig, ModelConfig, SyncConfig, TrainerConfig
 from miles_sync.engine.client import EngineClient
-from miles_sync.engine.rollout import generate_samples
 from miles_sync.export.registry import ConversionMode
-from miles_sync.job.rl import make_prompts, train_batch
-from miles_sync.sync.attach import attached_source
 from miles_sync.sync.controller import SyncController
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
-from miles_sync.transport.base import TransportKind
 from miles_sync.transport.feeds import Device, plan_feeds
-from miles_sync.wire.protocol import PauseMode, SamplingParams, WeightsCheckerAction, WeightsCheckerRequest
+from miles_sync.wire.protocol import PauseMode, WeightsCheckerAction, WeightsCheckerRequest
 
 TIMEOUTS = SessionTimeouts(control_s=30.0, sync_s=120.0)
-RAY_TIMEOUT_S = 300.0
-MODEL = ModelConfig(arch="qwen3", speculative_algorithm=None)
-SYNC = dict(bucket_bytes=256 * 1024, http_timeout_s=60.0, collective_timeout_s=60.0, sync_timeout_s=180.0)
-GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 NO_DRAFT = SelectorInputs(
     mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
 )
@@ -83,53 +71,12 @@ def test_a_tp2_server_is_verified_engine_exact_per_rank(server, source, referenc
     assert answer.ranks[0].checksums[embed] != answer.ranks[1].checksums[embed]
 
 
-def samples(url: str, round_index: int):
-    async def main():
-        async with EngineClient(url, timeout_s=60.0) as client:
-            return await generate_samples(client, make_prompts(round_index, num_prompts=4, length=4), sampling=GREEDY)
-
-    return asyncio.run(main())
-
-
 def test_each_trainer_rank_feeds_its_own_server_rank_without_a_gather(server, reference_checkpoints):
-    """shard_direct's routed form: two real megatron-core trainer ranks (TP=2, Ray actors on a loopback cluster) each
-    feed the server rank of the same index its own parameters, with no gather (the gather export fails if it is
-    entered); every trained round is verified engine-exact per rank, every sent tensor counted, and the server then
-    generates with that version."""
-    checkpoint = reference_checkpoints / "target"
+    """shard_direct's routed form: two real megatron-core trainer ranks (TP=2) each feed the server rank of the same
+    index its own parameters, with no gather (tests/routed_rounds.py); every trained round is verified engine-exact
+    per rank, every sent tensor counted."""
     # One host: trainer rank r and server rank r share "device" r, so rank r's shared memory feeds server rank r.
     devices = [Device(node="127.0.0.1", index=r) for r in range(2)]
     feeds = plan_feeds(trainer_devices=devices, engine_devices=[devices])
-    with connect_ray(ClusterConfig(num_cpus=3)):
-        trainers = create_trainers(trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=str(checkpoint), feeds=feeds)
-
-        def refuse(index: int) -> None:  # nested: Ray pickles it by value into the trainer processes
-            raise AssertionError(f"unit {index} went through the gather export: a routed sync gathers nothing")
-
-        try:
-            listeners = [
-                a.__ray_call__.remote(lambda self: attached_source().add_unit_listener(refuse)) for a in trainers.actors
-            ]
-            ray.get(listeners, timeout=60)
-            controller = create_controller(
-                trainers=trainers.actors,
-                engine_urls=[server.url],
-                sync=SyncConfig(transport=TransportKind.SHARD_DIRECT, **SYNC),
-                model=MODEL,
-            )
-            try:
-                rollouts = samples(server.url, 0)
-                for round_index in (1, 2):
-                    trainers.train_step(train_batch(rollouts), timeout_s=RAY_TIMEOUT_S)
-                    report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
-                    assert report.committed, report.summary()
-                    (result,) = report.engines
-                    assert result.success and result.verification == "engine-exact (sha256)", result
-                    assert result.num_verified_tensors == report.num_tensors > 0, (result, report.num_tensors)
-                    rollouts = samples(server.url, round_index)
-                    assert {s.weight_version for s in rollouts} == {report.version}
-            finally:
-                ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
-                ray.kill(controller)
-        finally:
-            trainers.shutdown()
+    for report in routed_rounds([server.url], checkpoint=reference_checkpoints / "target", feeds=feeds):
+        assert [e.verification for e in report.engines] == ["engine-exact (sha256)"], report.summary()

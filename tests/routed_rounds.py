@@ -1,0 +1,77 @@
+"""shard_direct's routed form driven end to end for the real-SGLang tier: two real megatron-core trainer ranks (TP=2,
+Ray actors on a loopback cluster) with a given feed plan sync into running servers, with the gather export made to
+fail if it is entered; each trained round must commit, pass its check with every sent tensor counted, and the
+servers must then generate with that version."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+
+from actors.controller import create_controller
+from actors.trainer import create_trainers
+from launch.cluster import connect_ray
+from miles_sync.config import ClusterConfig, ModelConfig, SyncConfig, TrainerConfig
+from miles_sync.engine.client import EngineClient
+from miles_sync.engine.rollout import generate_samples
+from miles_sync.job.rl import make_prompts, train_batch
+from miles_sync.sync.attach import attached_source
+from miles_sync.sync.report import SyncReport
+from miles_sync.transport.base import TransportKind
+from miles_sync.transport.feeds import FeedPlan
+from miles_sync.wire.protocol import SamplingParams
+
+RAY_TIMEOUT_S = 300.0
+MODEL = ModelConfig(arch="qwen3", speculative_algorithm=None)
+SYNC = dict(bucket_bytes=256 * 1024, http_timeout_s=60.0, collective_timeout_s=60.0, sync_timeout_s=180.0)
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+
+def samples(urls: Sequence[str], round_index: int) -> list:
+    async def main():
+        prompts = make_prompts(round_index, num_prompts=4, length=4)
+        batches = []
+        for url in urls:
+            async with EngineClient(url, timeout_s=60.0) as client:
+                batches.append(await generate_samples(client, prompts, sampling=GREEDY))
+        return [s for batch in batches for s in batch]
+
+    return asyncio.run(main())
+
+
+def routed_rounds(urls: Sequence[str], *, checkpoint: Path, feeds: FeedPlan, num_rounds: int = 2) -> list[SyncReport]:
+    """`num_rounds` train -> routed sync -> generate rounds into the servers at `urls`; their reports."""
+
+    def refuse(index: int) -> None:  # nested: Ray pickles it by value into the trainer processes
+        raise AssertionError(f"unit {index} went through the gather export: a routed sync gathers nothing")
+
+    reports = []
+    with connect_ray(ClusterConfig(num_cpus=3)):
+        trainers = create_trainers(trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=str(checkpoint), feeds=feeds)
+        try:
+            listeners = [
+                a.__ray_call__.remote(lambda self: attached_source().add_unit_listener(refuse)) for a in trainers.actors
+            ]
+            ray.get(listeners, timeout=60)
+            sync = SyncConfig(transport=TransportKind.SHARD_DIRECT, **SYNC)
+            controller = create_controller(trainers=trainers.actors, engine_urls=list(urls), sync=sync, model=MODEL)
+            try:
+                rollouts = samples(urls, 0)
+                for round_index in range(1, num_rounds + 1):
+                    trainers.train_step(train_batch(rollouts), timeout_s=RAY_TIMEOUT_S)
+                    report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+                    assert report.committed, report.summary()
+                    for engine in report.engines:
+                        assert engine.success and engine.num_verified_tensors == report.num_tensors > 0, engine
+                    rollouts = samples(urls, round_index)
+                    assert {s.weight_version for s in rollouts} == {report.version}
+                    reports.append(report)
+            finally:
+                ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
+                ray.kill(controller)
+        finally:
+            trainers.shutdown()
+    return reports
