@@ -233,18 +233,16 @@ def source_rank(
 
 @dataclass(frozen=True, kw_only=True)
 class RoutedOutcome:
-    """One routed send as its source saw it: bytes built for engine ranks (each buffer once), bytes moved between
-    trainer ranks, buckets, HF tensors delivered, and per (direct layout, hash kind) every engine rank's expected
-    digests, where every rank of the layout was built; the send's wall time. Empty on other ranks."""
+    """One routed send as its source saw it: bytes built for engine ranks (each buffer once), buckets, HF tensors
+    delivered, and per (direct layout, hash kind) every engine rank's expected digests, where every rank of the
+    layout was built. Empty on other ranks."""
 
     num_bytes: int
-    moved_bytes: int
     num_buckets: int
     num_tensors: int
     digests: dict[tuple[DirectLayout, TensorHash], tuple[dict[str, str], ...]] = field(default_factory=dict)
     checksums: dict[str, str] = field(default_factory=dict)  # HF checksums, where a TP=1 engine was built whole
     names: tuple[str, ...] = ()  # the HF tensors delivered
-    send_s: float = 0.0
 
 
 @runtime_checkable

@@ -654,16 +654,26 @@ async def open_fed_rank(
         role = FeedRole.single_source(tp_sizes=[e.tp_size for e in engines])
     if role is None:  # a non-source rank outside any plan: nothing to take part in
         return ColocatedRank(fan_out=None, clients=())
+    fan_out, clients = await open_posting_fan_out(role=role, engines=engines, setup=setup, delivery=delivery(role))
+    return ColocatedRank(fan_out=fan_out, clients=clients)
+
+
+async def open_posting_fan_out(
+    *, role: FeedRole, engines: Sequence[EngineEndpoint], setup: RankSetup, delivery: Delivery
+) -> tuple[FanOut | None, list[EngineAPI]]:
+    """`role`'s FanOut with `delivery` (`open_fan_out`, on a thread: with several members a collective over the
+    trainer's default group) and the clients of the engines whose requests this rank posts, which the caller
+    closes with the fan-out; they are closed here if the fan-out fails to open."""
     clients = {j: setup.connect(engines[j].url) for j in sorted(set(role.plan.posted_by(role.rank)))}
     targets = [
         EngineTarget(client=clients[j], tp_size=e.tp_size) if j in clients else None for j, e in enumerate(engines)
     ]
     try:
         fan_out = await asyncio.to_thread(
-            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, delivery=delivery(role)
+            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, delivery=delivery
         )
     except BaseException:
         for client in clients.values():
             await client.close()
         raise
-    return ColocatedRank(fan_out=fan_out, clients=list(clients.values()))
+    return fan_out, list(clients.values())

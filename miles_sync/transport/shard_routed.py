@@ -19,21 +19,19 @@ parameters only (the session refuses a selector that covers a draft runner, as f
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from miles_sync.transport.base import EngineTarget, RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
-from miles_sync.transport.colocated import Collectives, FanOut, PostedPayload, ReceiveBuffer, open_fan_out
+from miles_sync.transport.base import RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
+from miles_sync.transport.colocated import Collectives, FanOut, PostedPayload, ReceiveBuffer, open_posting_fan_out
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.weights.checksum import TensorHash, sglang_digest, sglang_reported_name, tensor_checksum
-from miles_sync.weights.shard_plan import DirectLayout, DirectParam, assemble_param, plan_direct
+from miles_sync.weights.shard_plan import DirectLayout, DirectParam, assemble_param, matrix_shape, plan_direct
 from miles_sync.weights.shard_routes import Build, Holding, LocalPiece, Route, RoutedSchedule, plan_routed
 from miles_sync.wire.bucket import BucketEntry, TensorMeta, bucket_layout, unpack_bucket
 from miles_sync.wire.payload import encode_named_tensors
@@ -157,10 +155,6 @@ class RoutedDelivery:
         return tuple(
             BuildDigests(build=b, digests=d, checksums=self._checksums.get(b, {})) for b, d in self._digests.items()
         )
-
-    def moved_bytes(self) -> int:
-        """Bytes moved between trainer ranks per send."""
-        return sum(self.schedule.moved_bytes(self._metas).values())
 
     def num_bytes(self, bucket: int | None = None) -> int:
         """Bytes of every build's parameters (each build once) per send, or in bucket `bucket`."""
@@ -311,7 +305,7 @@ class RoutedDelivery:
         return piece.read(route)
 
     def _slice_shape(self, route: Route) -> tuple[int, int]:
-        rows, cols = _matrix(self._metas[route.hf_name])
+        rows, cols = matrix_shape(self._metas[route.hf_name].shape)
         length = route.end - route.start
         return (length, cols) if route.dim == 0 else (rows, length)
 
@@ -319,16 +313,6 @@ class RoutedDelivery:
         if build not in self._buffers:
             self._buffers[build] = ReceiveBuffer(self._device)
         return self._buffers[build]
-
-
-def _matrix(meta: TensorMeta) -> tuple[int, int]:
-    shape = tuple(meta.shape)
-    if not shape:
-        return 1, 1
-    cols = 1
-    for size in shape[1:]:
-        cols *= size
-    return shape[0], cols
 
 
 class ShardRoutedRank(RoutedRankTransport):
@@ -339,10 +323,6 @@ class ShardRoutedRank(RoutedRankTransport):
         self._fan_out = fan_out
         self._delivery = delivery
         self._clients = tuple(clients)
-
-    @property
-    def schedule(self) -> RoutedSchedule:
-        return self._delivery.schedule
 
     async def plan(self, holdings: Sequence[tuple[str, Holding]]) -> RoutedSchedule:
         """Plan the send from every rank's holdings (a collective over the fan-out: every rank at once)."""
@@ -362,7 +342,6 @@ class ShardRoutedRank(RoutedRankTransport):
         digests and raises TransportError naming what failed; other ranks return an empty outcome and raise only
         when the group itself fails. `on_bucket(index, num_tensors, num_bytes)` runs on the source after each
         acknowledged bucket."""
-        start = time.perf_counter()
         schedule = self._delivery.schedule
         self._delivery.load(pieces, hashes=hashes, checksums=checksums)
         error: BaseException | None = None
@@ -398,16 +377,14 @@ class ShardRoutedRank(RoutedRankTransport):
         if error is not None:
             raise error
         if not self._fan_out.is_source:
-            return RoutedOutcome(num_bytes=0, moved_bytes=0, num_buckets=0, num_tensors=0)
+            return RoutedOutcome(num_bytes=0, num_buckets=0, num_tensors=0)
         return RoutedOutcome(
             num_bytes=self._delivery.num_bytes(),
-            moved_bytes=self._delivery.moved_bytes(),
             num_buckets=len(schedule.buckets),
             num_tensors=sum(len(b.hf_names) for b in schedule.buckets),
             names=tuple(n for b in schedule.buckets for n in b.hf_names),
             digests=self._delivery.expected(gathered),
             checksums=self._delivery.checksums(gathered),
-            send_s=time.perf_counter() - start,
         )
 
     def posted_payloads(self) -> tuple[PostedPayload, ...]:
@@ -449,21 +426,10 @@ async def open_shard_routed_rank(
         bucket_bytes=bucket_bytes,
         device=torch.device(setup.device),
     )
-    clients = {j: setup.connect(engines[j].url) for j in sorted(set(role.plan.posted_by(role.rank)))}
-    targets = [
-        EngineTarget(client=clients[j], tp_size=e.tp_size) if j in clients else None for j, e in enumerate(engines)
-    ]
-    try:
-        fan_out = await asyncio.to_thread(
-            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, delivery=delivery
-        )
-        if fan_out is None:
-            raise AssertionError(f"rank {role.rank} is not a member of a fan-out of every rank")
-        rank = ShardRoutedRank(fan_out=fan_out, delivery=delivery, clients=list(clients.values()))
-    except BaseException:
-        for client in clients.values():
-            await client.close()
-        raise
+    fan_out, clients = await open_posting_fan_out(role=role, engines=engines, setup=setup, delivery=delivery)
+    if fan_out is None:
+        raise AssertionError(f"rank {role.rank} is not a member of a fan-out of every rank")
+    rank = ShardRoutedRank(fan_out=fan_out, delivery=delivery, clients=clients)
     try:
         await rank.plan(holdings)
     except BaseException:
