@@ -365,6 +365,18 @@ def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, 
     assert recovered.committed and recovered.verification == "engine-exact (sha256)"
 
 
+def test_routed_shard_direct_feeds_each_server_from_its_own_trainer_rank(servers, reference_checkpoints):
+    """shard_direct's routed form from two real megatron-core trainer ranks (TP=2) into the two TP=1 servers, server
+    j fed by trainer rank j: each rank sends the other the halves of the sharded tensors its server lacks (point to
+    point), with no gather (tests/routed_rounds.py); the round is verified engine-exact, every sent tensor counted."""
+    devices = [Device(node="127.0.0.1", index=r) for r in range(2)]
+    feeds = plan_feeds(trainer_devices=devices, engine_devices=[[d] for d in devices])
+    urls = [launcher.url for launcher, _ in servers]
+    # One round: the tier's time goes to the servers; the TP=2 module runs two.
+    (report,) = routed_rounds(urls, checkpoint=reference_checkpoints / "target", feeds=feeds, num_rounds=1)
+    assert [e.verification for e in report.engines] == ["engine-exact (sha256)"] * 2, report.summary()
+
+
 def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_resumed(servers, source, checkpoint):
     """Runs last: kills the module's first server while buckets are on the wire. The sync fails within its
     timeouts without committing; the survivor, which received some of the buckets, stays paused with each parameter
@@ -412,15 +424,3 @@ def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_r
     assert all(after[n] == sent[n] for n in mixed), sorted(n for n in mixed if after[n] != sent[n])
     assert recovered.committed and recovered.verification == "engine-exact (sha256)"
     assert served.meta_info.weight_version == recovered.version
-
-
-def test_routed_shard_direct_feeds_each_server_from_its_own_trainer_rank(servers, reference_checkpoints):
-    """shard_direct's routed form from two real megatron-core trainer ranks (TP=2) into the two TP=1 servers, server
-    j fed by trainer rank j: each rank sends the other the halves of the sharded tensors its server lacks (point to
-    point), with no gather (tests/routed_rounds.py); the round is verified engine-exact, every sent tensor counted."""
-    devices = [Device(node="127.0.0.1", index=r) for r in range(2)]
-    feeds = plan_feeds(trainer_devices=devices, engine_devices=[[d] for d in devices])
-    urls = [launcher.url for launcher, _ in servers]
-    # One round: the tier's time goes to the servers; the TP=2 module runs two.
-    (report,) = routed_rounds(urls, checkpoint=reference_checkpoints / "target", feeds=feeds, num_rounds=1)
-    assert [e.verification for e in report.engines] == ["engine-exact (sha256)"] * 2, report.summary()
