@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -120,6 +122,47 @@ class UpdateGroup:
         if tensor.device != self.device:
             raise ValueError(f"group {self.group_name!r} broadcasts on {self.device}, tensor is on {tensor.device}")
 
+    def exchange(
+        self,
+        *,
+        sends: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        recvs: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        timeout_s: float,
+    ) -> None:
+        """Point to point: send `sends[p]` to rank p and receive `recvs[p]` from rank p, each list in order, every
+        transfer posted at once (two ranks may send to each other); returns when all are done, within `timeout_s`
+        in all. Each tensor travels as its bytes: sender and receiver give the same byte sizes in the same order.
+        Raises ValueError for a bad peer or tensor, TimeoutError or RuntimeError when a transfer fails; after
+        either the group is unusable."""
+        sends, recvs = dict(sends or {}), dict(recvs or {})
+        problems = [
+            f"rank {p} is not a peer of rank {self.rank} in a group of {self.world_size}"
+            for p in {*sends, *recvs}
+            if not 0 <= p < self.world_size or p == self.rank
+        ]
+        problems += [
+            f"tensor {i} for rank {p}: {why}"
+            for p, tensors in (*sends.items(), *recvs.items())
+            for i, t in enumerate(tensors)
+            for why in (
+                "is not contiguous" if not t.is_contiguous() else None,
+                f"is on {t.device}, the group on {self.device}" if t.device != self.device else None,
+            )
+            if why is not None
+        ]
+        raise_if(problems, what=f"cannot exchange in update group {self.group_name!r}")
+
+        def issue(pg: dist.ProcessGroup) -> list:
+            raw = {
+                kind: {p: [t.reshape(-1).view(torch.uint8) for t in ts] for p, ts in given.items()}
+                for kind, given in (("send", sends), ("recv", recvs))
+            }
+            works = [pg.send([t], p, tag) for p, ts in raw["send"].items() for tag, t in enumerate(ts)]
+            return works + [pg.recv([t], p, tag) for p, ts in raw["recv"].items() for tag, t in enumerate(ts)]
+
+        peers = sorted({*sends, *recvs})
+        self._run(issue, what=f"exchange with ranks {peers}", timeout_s=timeout_s)
+
     def barrier(self, *, timeout_s: float) -> None:
         """Wait until every rank reached the barrier, at most `timeout_s` seconds."""
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -153,7 +196,7 @@ class UpdateGroup:
             work = None
             try:
                 work = issue(self._process_group)
-                completed = work.wait(timedelta(seconds=timeout_s))
+                completed = _wait_all(work if isinstance(work, list) else [work], timeout_s=timeout_s)
             except RuntimeError as exc:
                 self._broken = f"{what} failed: {exc}"
                 if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
@@ -171,6 +214,16 @@ class UpdateGroup:
                 raise TimeoutError(f"{what} in group {self.group_name!r} timed out after {timeout_s} s")
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
+
+
+def _wait_all(works: list, *, timeout_s: float) -> bool:
+    """Wait for every work within `timeout_s` in all; False when one did not complete in time."""
+    deadline = time.monotonic() + timeout_s
+    for work in works:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or work.wait(timedelta(seconds=remaining)) is False:
+            return False
+    return True
 
 
 def create_update_group(

@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import stat
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,18 @@ def encode_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     return _encode(pairs)
 
 
+def encode_inline_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """A load_format None (or custom loader) payload that carries its CPU tensors' bytes inside it, for a receiver on
+    another node (no shared memory to map): each storage travels as `torch.save` bytes, which SGLang's unpickler
+    and this module's load with `weights_only`. For small tensors (a p2p ticket); weights go by their transport."""
+    pairs = []
+    for name, tensor in named:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            raise ValueError(f"expected (str, CPU tensor) pairs, got ({type(name).__name__}, {tensor!r:.40})")
+        pairs.append((name, tensor.detach()))
+    return base64.b64encode(pickle.dumps(pairs, protocol=pickle.DEFAULT_PROTOCOL)).decode("ascii")
+
+
 def encode_named_tensor_dict(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     """Payload of an adapter for load_format None: a pickled dict {name: tensor}, what SGLang's
     `load_lora_adapter_from_tensors` reads (it indexes the payload by name). Same lifetime contract as
@@ -219,6 +232,32 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple:
 
 # Position of the device argument of torch's rebuild_cuda_tensor.
 _CUDA_DEVICE_ARG = 6
+
+
+def _load_storage_bytes(data: Any) -> Any:
+    """`torch.storage._load_from_bytes` without its unrestricted `torch.load` (as SGLang's unpickler maps it)."""
+    if not isinstance(data, bytes):
+        raise PayloadError(f"an inline storage must be bytes, got {type(data).__name__}")
+    try:
+        storage = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise PayloadError(f"an inline storage does not load: {type(exc).__name__}: {exc}") from None
+    if not isinstance(storage, torch.TypedStorage):
+        raise PayloadError(f"an inline storage must load as a typed storage, got {type(storage).__name__}")
+    return storage
+
+
+def _rebuild_inline_tensor(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, *rest: Any
+) -> torch.Tensor:
+    """`torch._utils._rebuild_tensor_v2` (a plainly pickled CPU tensor) with its view checked and no hooks."""
+    if not isinstance(storage, torch.TypedStorage) or storage.dtype not in (*_WEIGHT_DTYPES, torch.uint8):
+        raise PayloadError(f"an inline tensor needs a typed storage of a weight dtype or uint8, got {storage!r:.60}")
+    if hooks or rest:
+        raise PayloadError("an inline tensor carries no backward hooks or metadata")
+    num_elements = storage._untyped_storage.nbytes() // storage.dtype.itemsize
+    _check_view("tensor", storage_elements=num_elements, offset=offset, size=size, stride=stride)
+    return torch._utils._rebuild_tensor_v2(storage, offset, torch.Size(size), tuple(stride), False, OrderedDict())
 
 
 class _PayloadPickler(pickle._Pickler):
@@ -406,6 +445,9 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "TypedStorage"): _TYPED_STORAGE_CLASS,
     ("torch.storage", "TypedStorage"): _TYPED_STORAGE_CLASS,
     ("torch", "Size"): _make_size,
+    ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_inline_tensor,
+    ("collections", "OrderedDict"): OrderedDict,
     (SGLANG_METADATA_MODULE, SGLANG_METADATA_NAME): FlattenedTensorMetadata,
     **{("torch", dtype_name(dtype)): dtype for dtype in _WEIGHT_DTYPES},
 }

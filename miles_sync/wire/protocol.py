@@ -258,10 +258,13 @@ class UpdateWeightsFromTensorRequest:
     """One bucket as per-TP-rank handles: entry i of serialized_named_tensors (base64) is for engine TP rank i.
 
     The producer keeps the tensors alive until the response; the receiver unpickles through an allow-list only.
+    `load_format` may also be a custom weight loader's import path, which a server started with
+    `--custom-weight-loader <path>` runs on every TP rank with that rank's payload (any other path ends SGLang's
+    scheduler: the server exits).
     """
 
     serialized_named_tensors: tuple[str, ...]
-    load_format: LoadFormat | None = None
+    load_format: LoadFormat | str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None

@@ -266,7 +266,7 @@ WIRE_SCHEMA = {
     ],
     "UpdateWeightsFromTensorRequest": [
         ("serialized_named_tensors", "tuple[str, ...]", REQUIRED),
-        ("load_format", "LoadFormat | None", None),
+        ("load_format", "LoadFormat | str | None", None),  # a str: a custom weight loader's import path
         ("flush_cache", "bool", True),
         ("abort_all_requests", "bool", False),
         ("weight_version", "str | None", None),

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_sync.engine.reference.custom_loader import run_custom_loader
 from miles_sync.engine.reference.groups import UpdateGroups
 from miles_sync.engine.reference.runner_api import StoredRunner
 from miles_sync.engine.reference.weights_checker import WeightsChecker
@@ -88,6 +89,7 @@ class WeightBackend(Protocol):
     def stage_direct(self, runners: Sequence[Any], payloads: Sequence[str]) -> Any: ...
     def received_bytes(self) -> tuple[int, ...]: ...
     def load_direct(self, runners: Sequence[Any], staged: Any) -> dict[str, int]: ...
+    def load_custom(self, runners: Sequence[Any], payloads: Sequence[str], *, path: str) -> dict[str, int]: ...
     def discard(self, staged: Any) -> None: ...
     def check(self, request: WeightsCheckerRequest, *, roles: set[Role]) -> WeightsCheckerResult: ...
     def close(self) -> None: ...
@@ -217,6 +219,12 @@ class LocalBackend:
 
     def load_direct(self, runners: Sequence[StoredRunner], staged: list) -> dict[str, int]:
         return {runner.role.value: len(runner.load_direct(staged)) for runner in runners}
+
+    def load_custom(self, runners: Sequence[StoredRunner], payloads: Sequence[str], *, path: str) -> dict[str, int]:
+        """Run the custom loader at `path` on this rank's payload into every runner (custom_loader); ValueError for
+        a payload that does not decode, CustomLoaderFailed when the loader raises."""
+        named, _ = self.decode(payloads, load_format=None)
+        return {role: len(names) for role, names in run_custom_loader(path, runners, named).items()}
 
     def discard(self, staged: list) -> None:
         del staged  # nothing held beyond the list

@@ -47,6 +47,7 @@ from miles_sync.engine.reference.backend import (
     LocalBackend,
     WeightBackend,
 )
+from miles_sync.engine.reference.custom_loader import CustomLoaderFailed
 from miles_sync.engine.reference.lora import TENSOR_LORA_PATH
 from miles_sync.engine.reference.runner import dtype_str
 from miles_sync.engine.reference.runner_api import ServedRunner
@@ -127,9 +128,12 @@ class ReferenceEngine:
         draft_role: str = Role.DRAFT.value,
         backend: WeightBackend | None = None,
         adapters: Any = None,
+        custom_weight_loaders: Sequence[str] = (),
     ) -> None:
         """`adapters`: the LoRA adapters of the target (miles_sync.engine.reference.lora LocalAdapters or
-        RankAdapters; None: LoRA is not enabled, as SGLang without --enable-lora)."""
+        RankAdapters; None: LoRA is not enabled, as SGLang without --enable-lora). `custom_weight_loaders`: the
+        import paths a tensor update may name as its load_format (SGLang's `--custom-weight-loader`)."""
+        self._custom_weight_loaders = frozenset(custom_weight_loaders)
         draft_kind = DraftKind(draft_kind)
         problems = []
         try:
@@ -339,6 +343,8 @@ class ReferenceEngine:
         with self._update_step(endpoint, request.selector) as session:
             if request.load_format is LoadFormat.DIRECT:
                 result = self._load_direct(session, endpoint=endpoint, request=request)
+            elif request.load_format is not None and not isinstance(request.load_format, LoadFormat):
+                result = self._load_custom(session, endpoint=endpoint, request=request, path=request.load_format)
             else:
                 load_format = None if request.load_format is None else request.load_format.value
                 staged, metas = self._backend.decode(request.serialized_named_tensors, load_format=load_format)
@@ -364,6 +370,29 @@ class ReferenceEngine:
         if request.weight_version is not None:
             self._scheduler.set_weight_version(request.weight_version)
         return WeightUpdateResult(success=True, message=f"loaded parameter(s) direct per role: {num_loaded}")
+
+    def _load_custom(
+        self, session: _Session, *, endpoint: str, request: UpdateWeightsFromTensorRequest, path: str
+    ) -> WeightUpdateResult:
+        """SGLang's custom weight loader: `path` must be one the engine was started with (`--custom-weight-loader`);
+        any other ends SGLang's scheduler (`NotImplementedError: Unknown load_format`), and so crashes this engine.
+        Every TP rank runs the loader on its own payload, once per selected runner, as SGLang does; what it wrote
+        counts as a direct load (custom_loader module)."""
+        if path not in self._custom_weight_loaders:
+            self._crash = f"{endpoint} crashed the engine, as it crashes SGLang's: Unknown load_format={path}"
+            logger.critical("%s", self._crash)
+            raise EngineCrashed(self._crash)
+        if request.abort_all_requests:
+            self._scheduler.abort_all(f"aborted by {endpoint}(abort_all_requests=true)")
+        try:
+            num_loaded = self._backend.load_custom(session.runners, request.serialized_named_tensors, path=path)
+        except CustomLoaderFailed as exc:
+            self._crash = f"{endpoint} (custom loader {path}) crashed the engine, as it crashes SGLang's: {exc}"
+            logger.critical("%s", self._crash)
+            raise EngineCrashed(self._crash) from None
+        if request.weight_version is not None:
+            self._scheduler.set_weight_version(request.weight_version)
+        return WeightUpdateResult(success=True, message=f"custom loader {path} ran per role: {num_loaded}")
 
     @contextlib.contextmanager
     def _update_step(self, endpoint: str, selector: Selector) -> Iterator[_Session]:

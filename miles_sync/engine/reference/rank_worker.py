@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from miles_sync.engine.reference.backend import AllocationError, EngineCrashed, LocalBackend
+from miles_sync.engine.reference.custom_loader import CustomLoaderFailed, run_custom_loader
 from miles_sync.engine.reference.lora import AdapterSet, PreparedAdapter, build_adapter_set
 from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.sharded import ShardedRunner, load_sharded_runners
@@ -178,6 +179,16 @@ class _Rank:
         if staged is None:
             raise ValueError("no staged direct payload to load")
         return {role: self._runners[Role(role)].load_direct(staged) for role in roles}
+
+    def load_custom(self, *, payload: Any, path: str, roles: list[str]) -> dict[str, list[str]] | str:
+        """Run the custom loader at `path` on this rank's payload into the `roles` runners (custom_loader); returns
+        the engine names written per role, or why SGLang's scheduler would die (the front crashes the engine)."""
+        self._staged = None
+        named, _ = self._backend.decode([payload], load_format=None)
+        try:
+            return run_custom_loader(path, [self._runners[Role(r)] for r in roles], named)
+        except CustomLoaderFailed as exc:
+            return str(exc)
 
     def discard(self) -> None:
         self._staged = None

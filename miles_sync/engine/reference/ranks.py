@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from miles_sync.engine.reference.backend import EngineCrashed, EngineDown, join_rank_problems
+from miles_sync.engine.reference.custom_loader import CustomLoaderFailed
 from miles_sync.engine.reference.models import LMOutput
 from miles_sync.engine.reference.rank_worker import CHANNELS, RankArgs, rank_main
 from miles_sync.engine.reference.runner_api import ServedRunner
@@ -454,6 +455,28 @@ class RankBackend:
             for runner in runners:
                 runner.mark_loaded_direct(loaded[runner.role.value])
         return {role: len(names) for role, names in loaded.items()}
+
+    def load_custom(self, runners: Sequence[RankRunnerView], payloads: Sequence[str], *, path: str) -> dict[str, int]:
+        """Every rank runs the custom loader at `path` on payload i, at once (a p2p loader on one rank waits for
+        its own transfers only). Raises ValueError when a payload does not decode, CustomLoaderFailed naming each
+        rank whose loader raised (any rank's scheduler dying takes SGLang's whole server down)."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(
+                f"serialized_named_tensors has {len(payloads)} payloads; this engine runs TP={self.tp_size} and "
+                f"takes exactly {self.tp_size} (one per TP rank, payload i for rank i)"
+            )
+        roles = [runner.role.value for runner in runners]
+        with self._weights_lock:
+            results = self._fleet.call(
+                "control", "load_custom", per_rank=[dict(payload=p, path=path, roles=roles) for p in payloads]
+            )
+            failed = [f"TP rank {r}: {result}" for r, result in enumerate(results) if isinstance(result, str)]
+            written = [result for result in results if not isinstance(result, str)]
+            for runner in runners:
+                runner.mark_loaded_direct(sorted({n for result in written for n in result[runner.role.value]}))
+        if failed:
+            raise CustomLoaderFailed("; ".join(failed))
+        return {role: max(len(result[role]) for result in written) for role in roles}
 
     def discard(self, staged: str) -> None:
         del staged

@@ -202,6 +202,10 @@ class Runner(StoredRunner):
             self._epoch += 1
         return [name for name, _ in owned]
 
+    def engine_parameters(self) -> Mapping[str, TensorMeta]:
+        """The engine's parameters on this rank (SGLang's names, local shapes and dtypes)."""
+        return self._engine_metas
+
     def direct_problems(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
         """What SGLang's direct loader dies on for `named` (engine names, local tensors); empty when it loads."""
         return direct_load_problems(self._engine_metas, named)

@@ -123,6 +123,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=list(LORA_TARGET_MODULES),
         help="leaf names of the linear modules adapters may target",
     )
+    parser.add_argument(
+        "--custom-weight-loader",
+        nargs="*",
+        default=[],
+        help="import paths a tensor update may name as its load_format (SGLang's flag of the same name)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     problems = []
@@ -195,6 +201,7 @@ def _engine(
         draft_role=args.draft_role,
         backend=backend,
         adapters=adapters,
+        custom_weight_loaders=tuple(args.custom_weight_loader),
     )
 
 
