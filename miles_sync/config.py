@@ -294,6 +294,7 @@ class EngineConfig:
         lora: LoraSettings | None = None,
         device: str | None = None,
         server_python: str | None = None,
+        custom_weight_loaders: tuple[str, ...] = (),
     ) -> EngineSettings:
         """What launching one of these engines serving `model_dir` needs (`miles_sync.engine.kinds.engine_spec`).
         `speculative_algorithm`: `model.speculative_algorithm` (SGLang's --speculative-algorithm); `lora`: the
@@ -315,6 +316,7 @@ class EngineConfig:
             lora=lora,
             device=device,
             server_python=server_python,
+            custom_weight_loaders=custom_weight_loaders,
         )
 
 
@@ -497,6 +499,14 @@ class MilesSyncConfig:
             problems.append(
                 f"sync.draft_canary={self.sync.draft_canary.value} measures a draft's accept length; "
                 "engines.draft_kind is none"
+            )
+        if transport_spec(self.sync.transport).spreads_feeds and (
+            self.sync.conversion is not ConversionMode.RAW or self.trainer.pp > 1
+        ):
+            problems.append(
+                f"sync.transport={self.sync.transport.value} sends each trainer rank's own shards: it needs "
+                f"sync.conversion=raw and trainer.pp=1 (got {self.sync.conversion.value}, pp={self.trainer.pp}); "
+                "use distributed otherwise"
             )
         if self.engines.join_at_round is not None:
             if self.engines.join_at_round > self.num_rounds:

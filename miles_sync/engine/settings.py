@@ -76,6 +76,9 @@ class EngineSettings:
     lora: LoraSettings | None = None  # None: the engine serves the base model only
     device: str | None = None  # SGLang's --device ("cpu" adds the CPU flags); None: SGLang's default
     server_python: str | None = None  # the interpreter that runs an SGLang server; None: this one
+    # Import paths a tensor update may name as its load_format (`--custom-weight-loader`, both kinds): the loader
+    # of a transport that needs one (TransportSpec.custom_weight_loader).
+    custom_weight_loaders: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

@@ -130,6 +130,7 @@ class SGLangEngineSpec:
     python: str | None = None  # the server's interpreter (its own venv); None: this one
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or a report
     admin_api_key: str | None = field(default=None, repr=False)  # SGLang's --admin-api-key; a secret as well
+    custom_weight_loaders: tuple[str, ...] = ()  # SGLang's --custom-weight-loader: load_formats updates may name
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> SGLangEngineSpec:
@@ -145,6 +146,7 @@ class SGLangEngineSpec:
             python=settings.server_python,
             api_key=settings.api_key,
             admin_api_key=settings.admin_api_key,
+            custom_weight_loaders=settings.custom_weight_loaders,
         )
 
     def __post_init__(self) -> None:
@@ -197,6 +199,8 @@ class SGLangEngineSpec:
         flags += self._speculative_flags()
         if self.lora is not None:
             flags += _lora_flags(self.lora)
+        if self.custom_weight_loaders:
+            flags += ["--custom-weight-loader", *self.custom_weight_loaders]
         return [*flags, *(self.extra_args if with_extra else ())]
 
     def _speculative_flags(self) -> list[str]:

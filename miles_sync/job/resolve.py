@@ -22,6 +22,7 @@ from miles_sync.engine.reference.checkpoints import BUILT_IN_ARCHS, cached_check
 from miles_sync.engine.settings import EngineSettings
 from miles_sync.env import read_environment
 from miles_sync.megatron.lora import LoraSpec
+from miles_sync.transport.base import transport_spec
 from miles_sync.weights.fp8_checkpoint import default_block, fp8_checkpoint, fp8_serving_problems
 from miles_sync.wire.text import raise_if
 
@@ -81,6 +82,7 @@ def engine_settings(job: ResolvedJob, *, device: str | None, sglang_python: str 
         lora=config.sync.lora.engine_settings() if config.sync.mode is SyncMode.LORA else None,
         device=device,
         server_python=sglang_python if config.engines.kind is EngineKind.SGLANG else None,
+        custom_weight_loaders=tuple(filter(None, [transport_spec(config.sync.transport).custom_weight_loader])),
     )
 
 

@@ -32,7 +32,7 @@ from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests
 from miles_sync.transport.base import transport_spec
 from miles_sync.transport.colocated import PostedPayload, find_source_rank
-from miles_sync.transport.feeds import FeedPlan, FeedRole
+from miles_sync.transport.feeds import FeedPlan, FeedRole, plan_spread_feeds
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.shard_routes import LocalPiece
 from miles_sync.wire.protocol import Selector
@@ -170,10 +170,11 @@ class ModelSource:
         """Whether a sync over `transport` runs routed (every rank sends its own shards, no gather): the transport
         has a routed form, the conversion is raw (its converters give each rank's own slices) and a feed plan says
         which rank feeds each engine rank."""
+        spec = transport_spec(transport)
         return (
-            transport_spec(transport).routed_factory is not None
+            spec.routed_factory is not None
             and self._conversion is ConversionMode.RAW
-            and self._feeds is not None
+            and (self._feeds is not None or spec.spreads_feeds)
         )
 
     def describe(self) -> RankInfo:
@@ -198,11 +199,18 @@ class ModelSource:
         Returns the membership bound to its port (non-source ranks return `membership` as given)."""
         self.close(timeout_s=settings.call_timeout_s)
         role = None
-        if self._feeds is not None:  # what the plan means is the transport's to decide (miles_sync.transport)
+        feeds = self._feeds
+        if (
+            feeds is None
+            and transport_spec(settings.transport).spreads_feeds
+            and self.routes_own_shards(settings.transport)
+        ):
+            feeds = plan_spread_feeds(num_trainers=self._info.world_size, tp_sizes=[e.tp_size for e in engines])
+        if feeds is not None:  # what the plan means is the transport's to decide (miles_sync.transport)
             # Every rank opens at once, before any send: the one moment a collective on the default group cannot
             # interleave with the export's.
             source_rank = find_source_rank(is_source=self._is_source)
-            role = FeedRole(plan=self._feeds, rank=self._info.rank, source_rank=source_rank)
+            role = FeedRole(plan=feeds, rank=self._info.rank, source_rank=source_rank)
         sender: Sender | RoutedSender
         if role is not None and self.routes_own_shards(settings.transport):
             sender = RoutedSender(

@@ -6,7 +6,9 @@ Two implementations, chosen once by name (`create_transport`), never branched on
 - `colocated`: one `update_weights_from_tensor` POST per engine carrying a handle per engine TP rank (CPU shared
   memory here, CUDA IPC on GPU) to the whole bucket;
 - `shard_direct`: the same fan-out, but each engine TP rank's handle maps only its own parameters, as the engine
-  stores them (`load_format: "direct"`; miles_sync.transport.shard_direct).
+  stores them (`load_format: "direct"`; miles_sync.transport.shard_direct);
+- `p2p`: every trainer rank sends its own shards point to point into each engine rank's own parameters, through a
+  custom weight loader the engines run (miles_sync.transport.p2p).
 
 Here: the seam (`Transport`), the engines it reaches (`EngineEndpoint`, `EngineTarget`) and the registry
 (`TRANSPORTS`: one `TransportSpec` row per transport, its declared needs). The update group's membership is planned
@@ -116,11 +118,13 @@ class RankTransport(Protocol):
 
 class TransportKind(WireEnum):
     """distributed: broadcast over a torch.distributed group; colocated: per-TP-rank tensor handles to each bucket;
-    shard_direct: per-TP-rank handles to that rank's own engine parameters."""
+    shard_direct: per-TP-rank handles to that rank's own engine parameters; p2p: each trainer rank's own shards,
+    point to point into each engine rank's own parameters, through SGLang's custom weight loader hook."""
 
     DISTRIBUTED = "distributed"
     COLOCATED = "colocated"
     SHARD_DIRECT = "shard_direct"
+    P2P = "p2p"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +152,12 @@ class TransportSpec:
     # holdings) and returning a RoutedRankTransport (`open_routed_rank`). A source of full HF tensors runs
     # `rank_factory`.
     routed_factory: str | None = None
+    # Feeders are spread over the trainer ranks from the engines' TP sizes (feeds.plan_spread_feeds), not tied to
+    # the engines' devices: engines anywhere, every trainer rank takes part.
+    spreads_feeds: bool = False
+    # The engines must be started with this import path as `--custom-weight-loader` (SGLang's flag; the reference
+    # engine's too); the posted requests name it as their load_format.
+    custom_weight_loader: str | None = None
 
 
 TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: plain names look up too)
@@ -173,6 +183,16 @@ TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: 
         feeds_from_every_rank=True,
         needs_engine_layouts=True,
         routed_factory="miles_sync.transport.shard_routed.open_shard_routed_rank",
+    ),
+    TransportKind.P2P: TransportSpec(
+        module="miles_sync.transport.p2p",
+        rank_factory="open_p2p_rank",
+        needs_update_group=False,
+        endpoints=("/update_weights_from_tensor",),
+        needs_engine_layouts=True,
+        routed_factory="miles_sync.transport.p2p.open_p2p_routed_rank",
+        spreads_feeds=True,
+        custom_weight_loader="miles_sync.transport.p2p_loader.load_routed",
     ),
 }
 

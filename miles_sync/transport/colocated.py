@@ -338,18 +338,22 @@ class Delivery(Protocol):
       `collectives`; returns this member's local data, which stays valid until the bucket's posts answered;
     - `encode`: one payload per engine rank in `feeds` ((engine index, TP rank) pairs), in that order, or None
       for an engine rank that has nothing in this bucket;
+    - `settle` (every member, after the bucket's posts answered): the failures of what the member's payloads set
+      going besides the posts (a p2p transfer), named; empty for a delivery whose posts carry everything;
     - `end_send` (source only): called once after the last bucket of a send succeeded; a problem found then (the
       send left something undelivered) is returned, None otherwise. `reset` forgets a send's state; `close` frees
       what the delivery holds (the fan-out closes it).
-    `load_format` is what the posted requests carry."""
+    `load_format` is what the posted requests carry (a custom weight loader's import path for p2p)."""
 
-    load_format: LoadFormat
+    load_format: LoadFormat | str
 
     def prepare(self, bucket: FlattenedBucket) -> tuple[Any, Any]: ...
 
     def receive(self, contents: Any, local: Any | None, collectives: Collectives) -> Any: ...
 
     def encode(self, contents: Any, local: Any, *, feeds: Sequence[tuple[int, int]]) -> list[str | None]: ...
+
+    def settle(self) -> list[str]: ...
 
     def end_send(self) -> str | None: ...
 
@@ -380,6 +384,9 @@ class FlattenedDelivery:
     ) -> list[str | None]:
         metadata = _metadata(contents.entries)
         return [encode_flattened_bucket(buffer=local, metadata=metadata) for _ in feeds]
+
+    def settle(self) -> list[str]:
+        return []
 
     def end_send(self) -> str | None:
         return None
@@ -515,6 +522,7 @@ class FanOut:
             self._collectives.all_gather_object, self._encode(announcement, local)
         )
         own = await self._post(announcement, handles, timeout_s=timeout_s)
+        own += await self._run(self._delivery.settle)
         outcomes: list[RankOutcomes] = await self._run(
             self._collectives.all_gather_object, RankOutcomes(rank=self._role.rank, failures=tuple(own))
         )

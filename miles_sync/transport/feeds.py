@@ -1,6 +1,7 @@
 """The colocated feed assignment (`plan_feeds`): which trainer rank hands its own copy of each bucket to which engine
 TP rank (the one on the same device: a CUDA IPC handle only opens on its own GPU), and which trainer rank posts each
-engine's request. Pure records; the colocated transport executes them.
+engine's request; and the same records spread over the trainer ranks where no device ties them (`plan_spread_feeds`,
+the p2p transport's). Pure records; the transports execute them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.wire.text import raise_if
 
-__all__ = ["Device", "FeedPlan", "FeedRole", "feed_node_problems", "plan_feeds"]
+__all__ = ["Device", "FeedPlan", "FeedRole", "feed_node_problems", "plan_feeds", "plan_spread_feeds"]
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -136,6 +137,27 @@ def plan_feeds(*, trainer_devices: Sequence[Device], engine_devices: Sequence[Se
         feeders = tuple(first_rank[d] for d in ranks)
         engines.append(EngineFeed(feeders=feeders, poster=feeders[0]))
     return FeedPlan(num_trainers=len(trainer_devices), engines=tuple(engines))
+
+
+def plan_spread_feeds(*, num_trainers: int, tp_sizes: Sequence[int]) -> FeedPlan:
+    """Which trainer rank builds and sends each engine rank's parameters when no device ties them: engine ranks in
+    order, round robin over the trainer ranks (so trainer rank r feeds engine rank r where trainer TP equals
+    engine TP, and replicas spread over the ranks); each engine's request is posted by its rank 0's feeder. Pure.
+    Raises ValueError for no trainers or no engines."""
+    raise_if(
+        [
+            *(["no trainer ranks"] if num_trainers < 1 else []),
+            *(["no engines"] if not tp_sizes else []),
+            *(f"engine {j} has {tp} TP ranks" for j, tp in enumerate(tp_sizes) if tp < 1),
+        ],
+        what="cannot spread feeds",
+    )
+    engines, next_rank = [], 0
+    for tp in tp_sizes:
+        feeders = tuple((next_rank + r) % num_trainers for r in range(tp))
+        next_rank += tp
+        engines.append(EngineFeed(feeders=feeders, poster=feeders[0]))
+    return FeedPlan(num_trainers=num_trainers, engines=tuple(engines))
 
 
 def feed_node_problems(

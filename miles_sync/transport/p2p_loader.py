@@ -270,7 +270,8 @@ class Receiver:
         known = self.channels.get(spec.group_name)
         if known is not None and known[0] == spec and known[1].is_usable:
             return known[1]
-        self._drop(spec.group_name)
+        for name in list(self.channels):  # an engine rank serves one fleet: a channel no longer named is done
+            self._drop(name)
         group = create_update_group(
             master_address=spec.master_address,
             master_port=spec.master_port,

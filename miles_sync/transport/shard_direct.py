@@ -154,6 +154,9 @@ class DirectDelivery:
             payloads.append(encode_named_tensors(unpack_bucket(local[key], rank.entries)))
         return payloads
 
+    def settle(self) -> list[str]:
+        return []
+
     def end_send(self) -> str | None:
         incomplete = [
             f"{name} (missing {[p for p in parts if p not in self._pending] or 'nothing'})"

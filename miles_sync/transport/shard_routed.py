@@ -121,6 +121,11 @@ class RoutedDelivery:
         self._checksums: dict[Build, dict[str, str]] = {}
 
     @property
+    def layout_of(self) -> tuple[int, ...]:
+        """Per engine (membership order), the index of its direct layout among the distinct ones (`Build.layout`)."""
+        return tuple(self._layout_of)
+
+    @property
     def schedule(self) -> RoutedSchedule:
         if self._schedule is None:
             raise TransportError("the routed send was not planned (open it first)")
@@ -247,6 +252,9 @@ class RoutedDelivery:
             )
             payloads.append(None if not entries else encode_named_tensors(unpack_bucket(buffer, entries)))
         return payloads
+
+    def settle(self) -> list[str]:
+        return []
 
     def end_send(self) -> str | None:
         return None

@@ -42,6 +42,7 @@ class ReferenceEngineSpec:
     checksum_names: ChecksumNames | None = None
     # How engine-named digests are computed: SGLang's CPU SHA-256, or GPU_HASH to answer as a CUDA server does.
     tensor_hash: TensorHash = TensorHash.SHA256
+    custom_weight_loaders: tuple[str, ...] = ()  # `--custom-weight-loader`: load_formats a tensor update may name
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> ReferenceEngineSpec:
@@ -57,6 +58,7 @@ class ReferenceEngineSpec:
             api_key=settings.api_key,
             admin_api_key=settings.admin_api_key,
             lora=settings.lora,
+            custom_weight_loaders=settings.custom_weight_loaders,
         )
 
     def __post_init__(self) -> None:
@@ -117,6 +119,8 @@ class ReferenceEngineSpec:
         if self.lora is not None:
             argv += ["--enable-lora", "--max-lora-rank", str(self.lora.max_rank)]
             argv += ["--lora-target-modules", *self.lora.target_modules]
+        if self.custom_weight_loaders:
+            argv += ["--custom-weight-loader", *self.custom_weight_loaders]
         # Keys travel in the environment, never on the command line (readable by every local user).
         keys = ((ENGINE_API_KEY_VARIABLE, self.api_key), (ENGINE_ADMIN_API_KEY_VARIABLE, self.admin_api_key))
         secrets = {variable: key for variable, key in keys if key is not None}

@@ -1,0 +1,420 @@
+"""The p2p transport: every trainer rank sends its own shards point to point to the engine ranks that keep them,
+through SGLang's custom weight loader hook (`--custom-weight-loader`, miles_sync.transport.p2p_loader). For engines
+on other nodes: no gather to one source, no broadcast of the whole model to every engine rank, no shared memory.
+
+The plan is shard_direct's routed plan (miles_sync.weights.shard_routes.plan_routed over the engines' direct
+layouts, made once at open from every rank's holdings), with the feeders spread over the trainer ranks instead of
+tied by devices (miles_sync.transport.feeds.plan_spread_feeds). Per scheduled bucket, on every trainer rank (the
+routed fan-out of miles_sync.transport.shard_routed):
+
+    source:     announce the bucket's index
+    every rank: exchange the slices other feeders need, build its engine ranks' parameters, hash them (the digests
+                their checkers must answer)
+    feeders:    per engine rank fed, a ticket (which parameters, from which feeder: no bytes); the channel thread
+                sends the parameters and then their SHA-256 digests over the engine's channel and reads the rank's
+                status
+    posters:    POST update_weights_from_tensor with load_format = the loader's import path, one ticket per rank
+    feeders:    settle: wait for the channel thread; a failed transfer or a refused parameter fails the bucket on
+                every member (the outcomes are all-gathered as for every fan-out)
+
+Channels: one update group per engine, of the trainer ranks that feed it and then the engine's TP ranks, from a TCP
+store the source hosts on its node's address (broadcast to the members at open). A trainer rank joins at its first
+send while the engine ranks join from the first ticket, and reuses the channel until the transport closes; after a
+send in which any rank's channel failed, every rank drops every channel and the next send joins a new generation
+(the loader drops a channel it no longer sees named).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from miles_sync.env import bind_host
+from miles_sync.transport.base import RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
+from miles_sync.transport.colocated import Collectives, PostedPayload, open_posting_fan_out
+from miles_sync.transport.feeds import FeedPlan, FeedRole
+from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
+from miles_sync.transport.membership import EngineEndpoint
+from miles_sync.transport.p2p_loader import (
+    LOADER_PATH,
+    TICKET_NAME,
+    ChannelSpec,
+    ParamTicket,
+    Refusal,
+    Status,
+    Ticket,
+    encode_ticket,
+    send_params,
+)
+from miles_sync.transport.shard_routed import RoutedBucketIndex, RoutedDelivery, ShardRoutedRank
+from miles_sync.weights.checksum import TensorHash
+from miles_sync.weights.shard_routes import Build, Holding, LocalPiece, RoutedSchedule
+from miles_sync.wire.bucket import BucketEntry, unpack_bucket
+from miles_sync.wire.payload import encode_inline_named_tensors
+from miles_sync.wire.protocol import Selector
+from miles_sync.wire.text import raise_if
+
+__all__: list[str] = []  # reached through the transport registry only
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreAddress:
+    """Source -> members at open: where every channel's rendezvous store listens."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Sent:
+    """One engine's transfers of one bucket on this rank: its statuses per engine TP rank, or why it failed."""
+
+    engine: int
+    statuses: dict[int, Status]
+    names: dict[int, tuple[str, ...]]  # per engine TP rank, the parameters in the order sent
+
+
+class Channels:
+    """This trainer rank's channel to each engine it feeds (module docstring): joined on the channel thread at the
+    first send to it, reused, dropped together (`drop`) after a failed send or at close."""
+
+    def __init__(self, *, plan: FeedPlan, rank: int, address: StoreAddress, store: object | None, timeout_s: float):
+        self._plan = plan
+        self._rank = rank
+        self._address = address
+        self._store = store  # the source's store server (kept alive here), None elsewhere
+        self._timeout_s = timeout_s
+        self._fleet = f"miles-sync-p2p-{address.host}-{address.port}"
+        self._generation = 0
+        self._groups: dict[int, UpdateGroup] = {}
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def feeders(self, engine: int) -> tuple[int, ...]:
+        return tuple(sorted(set(self._plan.engines[engine].feeders)))
+
+    def spec(self, engine: int, *, rank: int) -> ChannelSpec:
+        """Engine `engine`'s channel as group rank `rank` sees it."""
+        feeders = self.feeders(engine)
+        return ChannelSpec(
+            group_name=f"{self._fleet}-e{engine}-g{self._generation}",
+            master_address=self._address.host,
+            master_port=self._address.port,
+            world_size=len(feeders) + len(self._plan.engines[engine].feeders),
+            rank=rank,
+            timeout_s=self._timeout_s,
+        )
+
+    def engine_rank(self, engine: int, tp_rank: int) -> int:
+        """Engine TP rank `tp_rank`'s rank in its engine's channel."""
+        return len(self.feeders(engine)) + tp_rank
+
+    def own_rank(self, engine: int) -> int:
+        return self.feeders(engine).index(self._rank)
+
+    def group(self, engine: int) -> UpdateGroup:
+        """This rank's channel to `engine`, joined now if it is not yet (blocks until the engine's ranks join)."""
+        with self._lock:
+            group = self._groups.get(engine)
+            if group is not None and group.is_usable:
+                return group
+            spec = self.spec(engine, rank=self.own_rank(engine))
+        group = create_update_group(
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            group_name=spec.group_name,
+            backend="gloo",
+            timeout_s=spec.timeout_s,
+            store=self._store,  # the source's own server, where it is a member; everyone else connects
+        )
+        with self._lock:
+            self._groups[engine] = group
+        return group
+
+    def drop(self) -> None:
+        """Destroy every channel; the next send joins a new generation."""
+        with self._lock:
+            groups, self._groups = list(self._groups.values()), {}
+            self._generation += 1
+            self.broken = False
+        for group in groups:
+            group.destroy()
+
+    def close(self) -> None:
+        self.drop()
+        self._store = None
+
+
+class P2PDelivery:
+    """The routed delivery (shard_routed.RoutedDelivery: plan, exchange, build, digests) with each build sent over
+    its engine's channel instead of mapped: payloads are tickets, posted with load_format = the loader's path."""
+
+    load_format = LOADER_PATH
+
+    def __init__(self, *, routed: RoutedDelivery, role: FeedRole, timeout_s: float) -> None:
+        self._routed = routed
+        self._role = role
+        self._timeout_s = timeout_s
+        self._channels: Channels | None = None
+        self._layout_of = routed.layout_of
+        fed = {j for j, _ in role.plan.feeds_of(role.rank)}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, len(fed))), thread_name_prefix="miles-sync-p2p")
+        self._pending: list[Future] = []
+
+    @property
+    def schedule(self) -> RoutedSchedule:
+        return self._routed.schedule
+
+    def connect(self, channels: Channels) -> None:
+        self._channels = channels
+
+    # ---- what ShardRoutedRank drives (as on RoutedDelivery) ----------------------------------------------------
+
+    def plan(self, collectives: Collectives, holdings: Sequence[tuple[str, Holding]]) -> RoutedSchedule:
+        return self._routed.plan(collectives, holdings)
+
+    def load(self, pieces: Iterable[LocalPiece], *, hashes: Sequence[TensorHash], checksums: bool) -> None:
+        self._routed.load(pieces, hashes=hashes, checksums=checksums)
+
+    def digests(self) -> tuple:
+        return self._routed.digests()
+
+    def num_bytes(self, bucket: int | None = None) -> int:
+        return self._routed.num_bytes(bucket)
+
+    def checksums(self, gathered: Sequence[Sequence]) -> dict[str, str]:
+        return self._routed.checksums(gathered)
+
+    def expected(self, gathered: Sequence[Sequence]) -> dict:
+        return self._routed.expected(gathered)
+
+    # ---- Delivery ----------------------------------------------------------------------------------------------
+
+    def prepare(self, bucket: object) -> tuple[object, object]:
+        return self._routed.prepare(bucket)
+
+    def receive(self, contents: RoutedBucketIndex, local: object | None, collectives: Collectives) -> object:
+        return self._routed.receive(contents, local, collectives)
+
+    def encode(
+        self,
+        contents: RoutedBucketIndex,
+        local: Mapping[Build, tuple[tuple[BucketEntry, ...], torch.Tensor]] | object,
+        *,
+        feeds: Sequence[tuple[int, int]],
+    ) -> list[str | None]:
+        """One ticket per engine rank this rank feeds (None where it has nothing in this bucket); the builds go to
+        the channel thread, which sends them while the posters post the tickets."""
+        if not isinstance(local, Mapping):  # a failed exchange or build: reported through the group
+            return self._routed.encode(contents, local, feeds=feeds)
+        channels = self._channels
+        if channels is None:
+            raise TransportError("the p2p delivery has no channels (open it first)")
+        payloads: list[str | None] = []
+        sends: dict[int, dict[int, list[torch.Tensor]]] = {}
+        names: dict[int, dict[int, tuple[str, ...]]] = {}
+        for j, tp_rank in feeds:
+            entries, buffer = local.get(
+                Build(layout=self._layout_of[j], tp_rank=tp_rank, feeder=self._role.rank), ((), None)
+            )
+            if not entries:
+                payloads.append(None)
+                continue
+            tensors = unpack_bucket(buffer, entries)
+            own = channels.own_rank(j)
+            ticket = Ticket(
+                channel=channels.spec(j, rank=channels.engine_rank(j, tp_rank)),
+                params=tuple(
+                    ParamTicket(name=n, source=own, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+                    for n, t in tensors
+                ),
+            )
+            payloads.append(encode_inline_named_tensors([(TICKET_NAME, encode_ticket(ticket))]))
+            sends.setdefault(j, {})[channels.engine_rank(j, tp_rank)] = [t for _, t in tensors]
+            names.setdefault(j, {})[tp_rank] = tuple(n for n, _ in tensors)
+        self._pending = [
+            self._pool.submit(self._send, channels, j, per_rank, names[j]) for j, per_rank in sends.items()
+        ]
+        return payloads
+
+    def settle(self) -> list[str]:
+        """Wait for this bucket's transfers (the posts have answered); every failure and refusal, named."""
+        pending, self._pending = self._pending, []
+        problems = []
+        deadline = time.monotonic() + self._timeout_s
+        for future in pending:
+            try:
+                sent: _Sent = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                problems.append(f"trainer rank {self._role.rank}: a channel transfer did not finish in time")
+                self._mark_broken()
+                continue
+            except Exception as exc:
+                problems.append(f"trainer rank {self._role.rank}: {exc}")
+                self._mark_broken()
+                continue
+            for tp_rank, status in sorted(sent.statuses.items()):
+                sent_names = sent.names[tp_rank]
+                if status.refusal is not Refusal.NONE:
+                    name = sent_names[status.refused_index]
+                    problems.append(
+                        f"engine {sent.engine} TP rank {tp_rank} refused {name} from trainer rank "
+                        f"{self._role.rank}: {status.refusal.describe()}"
+                    )
+                elif status.checked != len(sent_names):
+                    problems.append(
+                        f"engine {sent.engine} TP rank {tp_rank} checked {status.checked} of the "
+                        f"{len(sent_names)} parameters trainer rank {self._role.rank} sent"
+                    )
+        return problems
+
+    def end_send(self) -> str | None:
+        return None
+
+    def reset(self) -> None:
+        self._routed.reset()
+
+    def close(self) -> None:
+        try:
+            self._routed.close()
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._channels is not None:
+                self._channels.close()
+
+    # ---- the channel thread ------------------------------------------------------------------------------------
+
+    def _send(
+        self, channels: Channels, engine: int, per_rank: dict[int, list[torch.Tensor]], names: dict[int, tuple]
+    ) -> _Sent:
+        try:
+            group = channels.group(engine)
+            statuses = send_params(group, per_rank, timeout_s=self._timeout_s)
+        except Exception as exc:
+            raise TransportError(f"channel to engine {engine} failed: {type(exc).__name__}: {exc}") from None
+        first = channels.engine_rank(engine, 0)
+        return _Sent(engine=engine, statuses={r - first: s for r, s in statuses.items()}, names=names)
+
+    def _mark_broken(self) -> None:
+        if self._channels is not None:
+            self._channels.broken = True
+
+    @property
+    def channels(self) -> Channels | None:
+        return self._channels
+
+
+class P2PRank(RoutedRankTransport):
+    """One trainer rank's side of a p2p send: the routed fan-out (ShardRoutedRank) over a P2PDelivery, plus the
+    channels' lifetime: after every send the ranks agree whether any channel failed, and if so all drop theirs."""
+
+    def __init__(self, *, routed: ShardRoutedRank, delivery: P2PDelivery, fan_out: object) -> None:
+        self._routed = routed
+        self._delivery = delivery
+        self._fan_out = fan_out
+
+    async def send(
+        self,
+        pieces: Iterable[LocalPiece],
+        *,
+        selector: Selector,
+        hashes: Sequence[TensorHash],
+        checksums: bool,
+        timeout_s: float,
+        on_bucket: Callable[[int, int, int], None] | None = None,
+    ) -> RoutedOutcome:
+        try:
+            return await self._routed.send(
+                pieces, selector=selector, hashes=hashes, checksums=checksums, timeout_s=timeout_s, on_bucket=on_bucket
+            )
+        finally:
+            await self._agree_on_channels()
+
+    async def _agree_on_channels(self) -> None:
+        channels = self._delivery.channels
+        if channels is None:
+            return
+        try:
+            broken = await self._fan_out.collective(_all_gather, channels.broken)
+        except BaseException:
+            broken = [True]  # the group itself failed: nothing here can be trusted
+        if any(broken):
+            channels.drop()
+
+    def posted_payloads(self) -> tuple[PostedPayload, ...]:
+        return self._routed.posted_payloads()
+
+    async def close(self, *, timeout_s: float) -> None:
+        await self._routed.close(timeout_s=timeout_s)
+
+
+def _all_gather(collectives: Collectives, obj: object) -> list:
+    return collectives.all_gather_object(obj)
+
+
+def _store_address(collectives: Collectives, address: StoreAddress | None) -> StoreAddress:
+    return collectives.broadcast_object(address)
+
+
+async def open_p2p_routed_rank(
+    *, engines: Sequence[EngineEndpoint], setup: RankSetup, bucket_bytes: int, holdings: Sequence[tuple[str, Holding]]
+) -> P2PRank:
+    """This rank's side of a p2p send over `engines` (every trainer rank at once): the fan-out of every trainer
+    rank, the source's channel store (its address broadcast to all), then the routed plan from every rank's
+    `holdings`. Raises ValueError, on every rank alike, for an engine without a layout or a plan that leaves a
+    slice unheld, before any byte moves."""
+    raise_if(
+        [f"{e.url}: its parameter layout is unknown" for e in engines if e.direct is None],
+        what="the p2p transport needs every engine's parameter layout",
+    )
+    if setup.feeds is None:
+        raise ValueError(
+            "a p2p send needs its feed plan (plan_spread_feeds: which trainer rank feeds each engine rank)"
+        )
+    role = FeedRole(plan=setup.feeds.plan, rank=setup.feeds.rank, source_rank=setup.feeds.source_rank, every_rank=True)
+    role.plan.check_engines(engines)
+    routed = RoutedDelivery(
+        role=role,
+        layouts=[e.direct for e in engines],
+        metas=setup.metas,
+        bucket_bytes=bucket_bytes,
+        device=torch.device(setup.device),
+    )
+    delivery = P2PDelivery(routed=routed, role=role, timeout_s=setup.fan_out_timeout_s)
+    fan_out, clients = await open_posting_fan_out(role=role, engines=engines, setup=setup, delivery=delivery)
+    if fan_out is None:
+        raise AssertionError(f"rank {role.rank} is not a member of a fan-out of every rank")
+    rank = P2PRank(
+        routed=ShardRoutedRank(fan_out=fan_out, delivery=delivery, clients=clients), delivery=delivery, fan_out=fan_out
+    )
+    try:
+        store = None
+        if role.rank == role.source_rank:
+            store = start_store_server(host=bind_host(), timeout_s=setup.fan_out_timeout_s)
+        address = await fan_out.collective(
+            _store_address, None if store is None else StoreAddress(host=bind_host(), port=store.port)
+        )
+        delivery.connect(
+            Channels(plan=role.plan, rank=role.rank, address=address, store=store, timeout_s=setup.fan_out_timeout_s)
+        )
+        await rank._routed.plan(holdings)
+    except BaseException:
+        await rank.close(timeout_s=setup.fan_out_timeout_s)
+        raise
+    return rank
+
+
+async def open_p2p_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> object:
+    """The gathered form (a source of full HF tensors: bridge conversion, pipeline stages): not built; refused."""
+    raise ValueError(
+        "the p2p transport sends each trainer rank's own shards: it needs raw conversion and one pipeline stage "
+        "(sync.conversion=raw, trainer.pp=1); use the distributed transport otherwise"
+    )

@@ -1,0 +1,98 @@
+"""The p2p transport on a local Ray cluster: two real megatron-core trainer ranks (TP=2) and two reference engines
+of their own (one TP=2, one TP=1, AITER layout, answering SGLang's engine-parameter digests), started with the
+p2p loader as their custom weight loader; no placement ties an engine rank to a trainer rank.
+
+Every trainer rank converts its own shards and sends what it feeds point to point over each engine's channel
+(plan_spread_feeds: engine ranks round robin over the trainer ranks), with no gather (the gather export is made to
+fail if it runs at all); every sync of trained weights is verified engine-exact per rank, and the engines generate
+from the new weights with the version that produced them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import pytest
+import ray
+from ray_fleet import RAY_TIMEOUT_S, prompts, refuse_gather, train_batch
+
+from actors.controller import create_controller
+from actors.rollout import create_engines
+from actors.trainer import create_trainers
+from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
+from miles_sync.engine.reference.launch import ReferenceEngineSpec
+from miles_sync.sync.attach import attached_source
+from miles_sync.transport.base import TransportKind, transport_spec
+from miles_sync.weights.layout import WeightLayout
+from miles_sync.wire.protocol import ChecksumNames, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = ModelConfig(arch="qwen3", speculative_algorithm=None)
+SYNC = dict(bucket_bytes=256 * 1024, http_timeout_s=20.0, collective_timeout_s=20.0, sync_timeout_s=90.0)
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+NUM_ROUNDS = 2
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[tuple]:
+    checkpoint = reference_checkpoints / "target"
+    loader = transport_spec(TransportKind.P2P).custom_weight_loader
+    specs = [
+        ReferenceEngineSpec(
+            model_dir=str(checkpoint),
+            tp_size=tp,
+            weight_layout=WeightLayout.AITER,
+            checksum_names=ChecksumNames.ENGINE,
+            collective_timeout_s=20.0,
+            custom_weight_loaders=(loader,),
+        )
+        for tp in (2, 1)
+    ]
+    with ExitStack() as stack:
+        engines = create_engines(specs=specs, log_dir=tmp_path_factory.mktemp("p2p"))
+        stack.callback(engines.shutdown)
+        trainers = create_trainers(trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=str(checkpoint))
+        stack.callback(trainers.shutdown)
+        yield engines, trainers
+
+
+def test_every_trainer_rank_sends_its_own_shards_point_to_point_verified_engine_exact(fleet):
+    engines, trainers = fleet
+    refuse_gather(trainers.actors)
+    controller = create_controller(
+        trainers=trainers.actors,
+        engine_urls=engines.urls,
+        sync=SyncConfig(transport=TransportKind.P2P, **SYNC),
+        model=MODEL,
+    )
+    try:
+        samples = ray.get(engines.actors[0].generate.remote(prompts(0), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
+        for round_index in range(1, NUM_ROUNDS + 1):
+            trainers.train_step(train_batch(samples), timeout_s=RAY_TIMEOUT_S)
+            report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+            assert report.committed, report.summary()
+            assert report.transport == "p2p"
+            for result in report.engines:
+                assert result.success and result.verification.startswith("engine-exact"), result
+                assert result.num_verified_tensors == report.num_tensors > 0, (result, report.num_tensors)
+                assert result.weight_version == report.version
+            for engine in engines.actors:
+                samples = ray.get(engine.generate.remote(prompts(round_index), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
+                assert {s.weight_version for s in samples} == {report.version}
+        posted = ray.get(
+            [a.__ray_call__.remote(lambda self: attached_source().posted_payloads()) for a in trainers.actors],
+            timeout=60,
+        )
+        # Spread feeds: the TP=2 engine's ranks from trainer ranks 0 and 1, the TP=1 engine's from rank 0 again.
+        assert {(p.engine, p.tp_rank, p.feeder) for rank_posted in posted for p in rank_posted} == {
+            (0, 0, 0),
+            (0, 1, 1),
+            (1, 0, 0),
+        }
+    finally:
+        for actor in trainers.actors:
+            ray.get(actor.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60)
+        ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
+        ray.kill(controller)
