@@ -16,11 +16,23 @@ STARTUP_TIMEOUT_S = 240.0  # 18-46 s measured; more while other servers keep the
 
 @contextlib.contextmanager
 def sglang_server(
-    *, model: Path, python: Path, log_dir: Path, tp_size: int = 1, device: str = "cpu"
+    *,
+    model: Path,
+    python: Path,
+    log_dir: Path,
+    tp_size: int = 1,
+    device: str = "cpu",
+    custom_weight_loaders: tuple[str, ...] = (),
 ) -> Iterator[EngineLauncher]:
     """A real SGLang server (on the CPU unless `device` says "cuda") serving `model` on loopback; yields once
-    /health_generate answers; always stopped."""
-    spec = SGLangEngineSpec(model_path=str(model), tp_size=tp_size, device=device, python=str(python))
+    /health_generate answers; always stopped. `custom_weight_loaders`: its `--custom-weight-loader` paths."""
+    spec = SGLangEngineSpec(
+        model_path=str(model),
+        tp_size=tp_size,
+        device=device,
+        python=str(python),
+        custom_weight_loaders=custom_weight_loaders,
+    )
     launcher = EngineLauncher(spec=spec, log_dir=log_dir, startup_timeout_s=STARTUP_TIMEOUT_S)
     try:
         launcher.start()

@@ -15,6 +15,15 @@ What SGLang 0.5.23 does, measured on this machine (CPU, float32 target checkpoin
   gets no answer (RemoteDisconnected), the process exits, /health_generate refuses connections. Whether tensors
   before the bad one were written cannot be observed: nothing serves them again.
 So the crash case runs last for each TP size.
+
+Both servers also run the p2p loader as their custom weight loader (`--custom-weight-loader`,
+miles_sync.transport.p2p_loader; the project installs miles_sync into SGLang's venv without its dependencies):
+- an update whose payloads are tickets, load_format = the loader's path, runs the loader on every TP rank with its
+  own ticket: each rank joins the channel and receives its tensors point to point from two trainer ranks (threads
+  here), straight into its parameters; every rank's digests then equal the sent weights', and a tensor whose
+  bytes do not match the digest sent with it is refused by the rank that took it in, named by its index, alike.
+- a load_format that is no allowed loader's path ends SGLang's scheduler (`NotImplementedError: Unknown
+  load_format`): the TP=1 crash case sends one.
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ import urllib.request
 
 import pytest
 import torch
+from p2p_session import p2p_update
 from reference_server import reference_server
 from sglang_server import sglang_server
 
+from miles_sync.transport.p2p_loader import LOADER_PATH, TICKET_NAME, Refusal
 from miles_sync.weights.engine_layout import rank_engine_digests, rank_engine_tensors
-from miles_sync.wire.payload import encode_named_tensors
+from miles_sync.wire.payload import encode_inline_named_tensors, encode_named_tensors
 
 NORM = "model.norm.weight"
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
@@ -44,9 +55,18 @@ def servers(request, reference_checkpoints, sglang_python, tmp_path_factory):
     tp_size = request.param
     target = reference_checkpoints / "target"
     log_dir = tmp_path_factory.mktemp(f"direct-tp{tp_size}")
-    names = {"checksum_names": "engine"} if tp_size == 1 else {"extra_args": ["--tp-size", str(tp_size)]}
+    hook = ["--custom-weight-loader", LOADER_PATH]
+    names = {"checksum_names": "engine", "extra_args": hook}
+    if tp_size > 1:
+        names = {"extra_args": [*hook, "--tp-size", str(tp_size)]}
     with (
-        sglang_server(model=target, python=sglang_python, log_dir=log_dir, tp_size=tp_size) as real,
+        sglang_server(
+            model=target,
+            python=sglang_python,
+            log_dir=log_dir,
+            tp_size=tp_size,
+            custom_weight_loaders=(LOADER_PATH,),
+        ) as real,
         reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names) as ref,
     ):
         yield {"tp_size": tp_size, "sglang": real, "reference": ref}
@@ -80,6 +100,15 @@ def direct_update(url: str, payloads: list[str]) -> tuple[int, object] | OSError
     ended = post(url, "/end_weight_update")
     assert ended[0] == 200, (url, answer, ended)
     return answer
+
+
+def unknown_loader_update(url: str, payload: str) -> tuple[int, object] | OSError:
+    assert post(url, "/begin_weight_update", {"selector": "target"})[0] == 200
+    body = {"serialized_named_tensors": [payload], "load_format": "miles_sync.no_such.loader", "selector": "target"}
+    try:
+        return post(url, "/update_weights_from_tensor", body, timeout_s=60.0)
+    except OSError as exc:
+        return exc
 
 
 def both(servers, payloads: list[str]) -> dict[str, tuple[int, object] | OSError]:
@@ -133,17 +162,41 @@ def test_a_dtype_other_than_the_parameters_is_cast_alike(servers, target_runner_
     )
 
 
+def test_a_p2p_update_lands_alike(servers, target_runner_weights, shape):
+    tp_size = servers["tp_size"]
+    for seed in (20 + tp_size, 30 + tp_size):  # twice: the second update reuses each rank's channel
+        weights = perturbed(target_runner_weights, seed=seed)
+        per_rank = [rank_engine_tensors(weights, shape=shape, tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
+        statuses = {kind: p2p_update(servers[kind].url, per_rank) for kind in ("sglang", "reference")}
+        assert statuses["sglang"] == statuses["reference"], statuses
+        assert all(s.refusal is Refusal.NONE for s in statuses["sglang"])
+        assert sum(s.checked for s in statuses["sglang"]) == sum(len(t) for t in per_rank)
+        expected = list(rank_engine_digests([("target", weights)], shape=shape, tp_size=tp_size))
+        real, ref = digests(servers["sglang"].url), digests(servers["reference"].url)
+        assert [{n: r[n] for n in e} for r, e in zip(real, expected)] == expected
+        assert ref == expected
+
+
+def test_a_corrupted_p2p_tensor_is_refused_alike(servers, target_runner_weights, shape):
+    tp_size = servers["tp_size"]
+    weights = perturbed(target_runner_weights, seed=40 + tp_size)
+    per_rank = [rank_engine_tensors(weights, shape=shape, tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
+    statuses = {kind: p2p_update(servers[kind].url, per_rank, corrupt=DOWN) for kind in ("sglang", "reference")}
+    assert statuses["sglang"] == statuses["reference"], statuses
+    assert [s.refusal for s in statuses["sglang"] if s.refusal is not Refusal.NONE] == [Refusal.DIGEST]
+
+
 def test_a_tensor_sglang_dies_on_kills_both_servers(servers, target_runner_weights, shape):
-    """Last for its TP size: TP=1 sends an HF name (no such parameter), TP=2 a wrong shape on rank 1 only."""
+    """Last for its TP size: TP=1 names a load_format no loader was allowed for, TP=2 sends a wrong shape on rank
+    1 only."""
     named = rank_tensors(target_runner_weights, shape=shape, tp_size=servers["tp_size"])
     if servers["tp_size"] == 1:
-        keep = [
-            [(NORM, target_runner_weights[NORM]), ("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 128))]
-        ]
+        ticket = encode_inline_named_tensors([(TICKET_NAME, torch.zeros(3, dtype=torch.uint8))])
+        answers = {kind: unknown_loader_update(servers[kind].url, ticket) for kind in ("sglang", "reference")}
     else:
         keep = [named[0], [(n, torch.zeros(3, 5) if n == DOWN else t) for n, t in named[1]]]
-    payloads = [encode_named_tensors(tensors) for tensors in keep]  # `keep` holds the tensors until both answered
-    answers = both(servers, payloads)
+        payloads = [encode_named_tensors(tensors) for tensors in keep]  # `keep` holds them until both answered
+        answers = both(servers, payloads)
     assert all(isinstance(answer, OSError) for answer in answers.values()), answers  # no answer from either
     deadline = time.monotonic() + CRASH_WAIT_S
     while servers["sglang"].is_running or servers["reference"].process.poll() is None:
