@@ -195,8 +195,12 @@ def test_a_tensor_sglang_dies_on_kills_both_servers(servers, target_runner_weigh
         answers = {kind: unknown_loader_update(servers[kind].url, ticket) for kind in ("sglang", "reference")}
     else:
         keep = [named[0], [(n, torch.zeros(3, 5) if n == DOWN else t) for n, t in named[1]]]
-        payloads = [encode_named_tensors(tensors) for tensors in keep]  # `keep` holds them until both answered
-        answers = both(servers, payloads)
+        # A payload per server (`keep` holds the tensors until both answered): the real server dies holding the
+        # mapping of the one it opened, so its pending reference is never released.
+        answers = {
+            kind: direct_update(servers[kind].url, [encode_named_tensors(tensors) for tensors in keep])
+            for kind in ("sglang", "reference")
+        }
     assert all(isinstance(answer, OSError) for answer in answers.values()), answers  # no answer from either
     deadline = time.monotonic() + CRASH_WAIT_S
     while servers["sglang"].is_running or servers["reference"].process.poll() is None:
