@@ -45,6 +45,7 @@ class RoutedSender(WeightSource):
         metas: Callable[[], Sequence[TensorMeta]],
         names: Callable[[], Iterable[str]],
         feeds: FeedRole,
+        bucket_listeners: Callable[[], Sequence[Callable[[int], None]]] = tuple,
     ) -> None:
         if settings.quantization is not None:
             raise ValueError(
@@ -56,6 +57,7 @@ class RoutedSender(WeightSource):
         self._metas = metas
         self._names = names
         self._feeds = feeds
+        self._bucket_listeners = bucket_listeners
         self._rank: RoutedRankTransport | None = None
 
     @property
@@ -130,6 +132,7 @@ class RoutedSender(WeightSource):
             checksums=self._settings.hash_buckets,
             timeout_s=self._settings.bucket_timeout_s,
             on_bucket=progress,
+            on_rank_bucket=self._on_rank_bucket,
         )
         expected: dict[EngineLayout, tuple[dict[str, str], ...]] = {
             layout: outcome.digests[(layout.direct_layout, layout.tensor_hash)]
@@ -147,6 +150,10 @@ class RoutedSender(WeightSource):
             engine_checksums=expected,
             names=outcome.names,
         )
+
+    def _on_rank_bucket(self, index: int) -> None:
+        for listener in tuple(self._bucket_listeners()):
+            listener(index)
 
     def posted_payloads(self) -> tuple[PostedPayload, ...]:
         return () if self._rank is None else self._rank.posted_payloads()

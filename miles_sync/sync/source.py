@@ -162,6 +162,7 @@ class ModelSource:
         self._sender: Sender | RoutedSender | None = None
         self._call_timeout_s = collective_timeout_s
         self._unit_listeners: list[Callable[[int], None]] = []
+        self._bucket_listeners: list[Callable[[int], None]] = []
         # The current (or last) send's acknowledged buckets, appended on the loop thread as they happen: `progress`
         # reads them from another thread while the send runs (list appends and slices are atomic in CPython).
         self._progress: list[BucketProgress] = []
@@ -191,6 +192,13 @@ class ModelSource:
 
     def clear_unit_listeners(self) -> None:
         self._unit_listeners.clear()
+        self._bucket_listeners.clear()
+
+    def add_bucket_listener(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(i)` on this rank as it takes part in the i-th bucket of a routed send (every rank sends its
+        own shards: miles_sync.sync.routed; p2p: as its transfers to the engines start), for fault drills that act at
+        a precise point of a sync. A listener that raises fails that bucket."""
+        self._bucket_listeners.append(listener)
 
     def open(
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None, settings: SenderSettings
@@ -219,6 +227,7 @@ class ModelSource:
                 metas=lambda: self._metas,
                 names=self.exported_names,
                 feeds=role,
+                bucket_listeners=lambda: self._bucket_listeners,
             )
         else:
             sender = Sender(

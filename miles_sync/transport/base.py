@@ -273,7 +273,8 @@ class RoutedRankTransport(Protocol):
     checksums are (`checksums`: hashed where a TP=1 engine's parameters are built whole); the source returns
     the outcome and raises naming what failed, other ranks return an empty outcome and raise only when the group
     fails. `on_bucket(index, num_tensors, num_bytes)` runs on the source after each acknowledged bucket (HF tensors
-    it completed, bytes built)."""
+    it completed, bytes built); `on_rank_bucket(index)` on every rank as it takes part in bucket `index` (after its
+    builds; p2p: as its transfers start), for progress or fault drills (an exception it raises fails the bucket)."""
 
     async def send(
         self,
@@ -284,6 +285,7 @@ class RoutedRankTransport(Protocol):
         checksums: bool,
         timeout_s: float,
         on_bucket: Callable[[int, int, int], None] | None = None,
+        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> RoutedOutcome: ...
 
     def posted_payloads(self) -> tuple[Any, ...]: ...

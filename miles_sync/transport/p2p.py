@@ -168,6 +168,7 @@ class P2PDelivery:
         fed = {j for j, _ in role.plan.feeds_of(role.rank)}
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, len(fed))), thread_name_prefix="miles-sync-p2p")
         self._pending: list[Future] = []
+        self._on_rank_bucket: Callable[[int], None] | None = None
 
     @property
     def schedule(self) -> RoutedSchedule:
@@ -181,8 +182,18 @@ class P2PDelivery:
     def plan(self, collectives: Collectives, holdings: Sequence[tuple[str, Holding]]) -> RoutedSchedule:
         return self._routed.plan(collectives, holdings)
 
-    def load(self, pieces: Iterable[LocalPiece], *, hashes: Sequence[TensorHash], checksums: bool) -> None:
+    def load(
+        self,
+        pieces: Iterable[LocalPiece],
+        *,
+        hashes: Sequence[TensorHash],
+        checksums: bool,
+        on_rank_bucket: Callable[[int], None] | None = None,
+    ) -> None:
+        """As RoutedDelivery.load; `on_rank_bucket` runs on the channel thread as this rank's transfers of a bucket
+        start (its tickets are out: an engine rank may be waiting for them)."""
         self._routed.load(pieces, hashes=hashes, checksums=checksums)
+        self._on_rank_bucket = on_rank_bucket
 
     def digests(self) -> tuple:
         return self._routed.digests()
@@ -241,7 +252,8 @@ class P2PDelivery:
             sends.setdefault(j, {})[channels.engine_rank(j, tp_rank)] = [t for _, t in tensors]
             names.setdefault(j, {})[tp_rank] = tuple(n for n, _ in tensors)
         self._pending = [
-            self._pool.submit(self._send, channels, j, per_rank, names[j]) for j, per_rank in sends.items()
+            self._pool.submit(self._send, channels, j, per_rank, names[j], contents.index)
+            for j, per_rank in sends.items()
         ]
         return payloads
 
@@ -293,8 +305,15 @@ class P2PDelivery:
     # ---- the channel thread ------------------------------------------------------------------------------------
 
     def _send(
-        self, channels: Channels, engine: int, per_rank: dict[int, list[torch.Tensor]], names: dict[int, tuple]
+        self,
+        channels: Channels,
+        engine: int,
+        per_rank: dict[int, list[torch.Tensor]],
+        names: dict[int, tuple],
+        bucket: int,
     ) -> _Sent:
+        if self._on_rank_bucket is not None:
+            self._on_rank_bucket(bucket)
         try:
             group = channels.group(engine)
             statuses = send_params(group, per_rank, timeout_s=self._timeout_s)
@@ -330,10 +349,17 @@ class P2PRank(RoutedRankTransport):
         checksums: bool,
         timeout_s: float,
         on_bucket: Callable[[int, int, int], None] | None = None,
+        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> RoutedOutcome:
         try:
             return await self._routed.send(
-                pieces, selector=selector, hashes=hashes, checksums=checksums, timeout_s=timeout_s, on_bucket=on_bucket
+                pieces,
+                selector=selector,
+                hashes=hashes,
+                checksums=checksums,
+                timeout_s=timeout_s,
+                on_bucket=on_bucket,
+                on_rank_bucket=on_rank_bucket,
             )
         finally:
             await self._agree_on_channels()

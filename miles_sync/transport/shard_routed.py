@@ -119,6 +119,7 @@ class RoutedDelivery:
         self._wants_checksums = False
         self._digests: dict[Build, dict[TensorHash, dict[str, str]]] = {}
         self._checksums: dict[Build, dict[str, str]] = {}
+        self._on_rank_bucket: Callable[[int], None] | None = None
 
     @property
     def layout_of(self) -> tuple[int, ...]:
@@ -144,9 +145,18 @@ class RoutedDelivery:
         self._schedule = plan_routed(self._plans, every, builds=self._builds, bucket_bytes=self._bucket_bytes)
         return self._schedule
 
-    def load(self, pieces: Iterable[LocalPiece], *, hashes: Sequence[TensorHash], checksums: bool) -> None:
+    def load(
+        self,
+        pieces: Iterable[LocalPiece],
+        *,
+        hashes: Sequence[TensorHash],
+        checksums: bool,
+        on_rank_bucket: Callable[[int], None] | None = None,
+    ) -> None:
         """This rank's own slices for the next send (views stay valid until it ends), the hash kinds its builds'
-        digests are wanted in and whether its TP=1 builds' HF checksums are."""
+        digests are wanted in, whether its TP=1 builds' HF checksums are, and what to call as it takes part in
+        each bucket (after its builds)."""
+        self._on_rank_bucket = on_rank_bucket
         self._pieces = defaultdict(list)
         for piece in pieces:
             self._pieces[piece.hf_name].append(piece)
@@ -228,13 +238,19 @@ class RoutedDelivery:
         if problems:  # reported by `encode`, through the group: every member fails this bucket together
             return _Failed(message="; ".join(problems))
         try:
-            return {
+            built = {
                 build: self._build(build, bucket.names, routes_of, received)
                 for build in self._builds
                 if build.feeder == me
             }
         except Exception as exc:
             return _Failed(message=f"rank {me} could not build its engine ranks' parameters: {exc}")
+        try:
+            if self._on_rank_bucket is not None:
+                self._on_rank_bucket(contents.index)
+        except Exception as exc:
+            return _Failed(message=f"rank {me}: its bucket listener raised {type(exc).__name__}: {exc}")
+        return built
 
     def encode(
         self,
@@ -345,13 +361,14 @@ class ShardRoutedRank(RoutedRankTransport):
         checksums: bool,
         timeout_s: float,
         on_bucket: Callable[[int, int, int], None] | None = None,
+        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> RoutedOutcome:
         """Send this rank's slices (every rank at once). The source returns the outcome with every layout's expected
         digests and raises TransportError naming what failed; other ranks return an empty outcome and raise only
         when the group itself fails. `on_bucket(index, num_tensors, num_bytes)` runs on the source after each
         acknowledged bucket."""
         schedule = self._delivery.schedule
-        self._delivery.load(pieces, hashes=hashes, checksums=checksums)
+        self._delivery.load(pieces, hashes=hashes, checksums=checksums, on_rank_bucket=on_rank_bucket)
         error: BaseException | None = None
         try:
             if self._fan_out.is_source:

@@ -10,6 +10,12 @@ from the new weights with the version that produced them.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -21,11 +27,12 @@ from actors.controller import create_controller
 from actors.rollout import create_engines
 from actors.trainer import create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
+from miles_sync.engine.client import EngineClient
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.sync.attach import attached_source
 from miles_sync.transport.base import TransportKind, transport_spec
 from miles_sync.weights.layout import WeightLayout
-from miles_sync.wire.protocol import ChecksumNames, SamplingParams
+from miles_sync.wire.protocol import ChecksumNames, SamplingParams, Selector, WeightsCheckerRequest
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +63,22 @@ def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[tuple]:
         trainers = create_trainers(trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=str(checkpoint))
         stack.callback(trainers.shutdown)
         yield engines, trainers
+
+
+def engine_checksums(url: str) -> list:
+    """The engine's per-rank checker answer (target runner)."""
+
+    async def read() -> list:
+        async with EngineClient(url, timeout_s=30.0) as client:
+            result = await client.weights_checker(WeightsCheckerRequest(selector=Selector.TARGET))
+            return list(result.ranks)
+
+    return asyncio.run(read())
+
+
+def is_paused(url: str) -> bool:
+    with urllib.request.urlopen(url + "/get_server_info", timeout=30) as answer:
+        return bool(json.load(answer)["internal_states"][0]["is_paused"])
 
 
 def test_every_trainer_rank_sends_its_own_shards_point_to_point_verified_engine_exact(fleet):
@@ -95,4 +118,56 @@ def test_every_trainer_rank_sends_its_own_shards_point_to_point_verified_engine_
         for actor in trainers.actors:
             ray.get(actor.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60)
         ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
+        ray.kill(controller)
+
+
+def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every_engine_rank(fleet):
+    """Last in the module (its trainer rank 1 dies): rank 1 kills itself as its transfers of the second bucket
+    start, its tickets already posted, so the engine rank it feeds is inside the loader waiting for its bytes. gloo
+    does not fail a pending receive when its peer's process dies, so that rank waits out the channel's timeout (the
+    ticket's, 2 x the bucket timeout: 40 s here), then drops the channel and returns: the sync fails within its own
+    timeout without committing, every engine answers its weights checker at once after, and the engines that took
+    part of the new weights are held paused, not resumed, with the version kept."""
+    engines, trainers = fleet
+    controller = create_controller(
+        trainers=trainers.actors,
+        engine_urls=engines.urls,
+        sync=SyncConfig(transport=TransportKind.P2P, **SYNC),
+        model=MODEL,
+    )
+    try:
+        committed = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        assert committed.committed and committed.num_buckets > 2, committed.summary()
+        samples = ray.get(engines.actors[0].generate.remote(prompts(5), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
+        trainers.train_step(train_batch(samples), timeout_s=RAY_TIMEOUT_S)
+
+        def die_at_second_bucket(index: int) -> None:  # nested: Ray pickles it by value
+            if index == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        ray.get(
+            trainers.actors[1].__ray_call__.remote(
+                lambda self: attached_source().add_bucket_listener(die_at_second_bucket)
+            ),
+            timeout=60,
+        )
+        start = time.monotonic()
+        failed = ray.get(controller.sync.remote(raise_on_failure=False), timeout=RAY_TIMEOUT_S)
+        elapsed = time.monotonic() - start
+        print(f"failed sync after {elapsed:.2f} s: {failed.error[:400]}")
+        assert not failed.committed, failed.summary()
+        assert elapsed < SYNC["sync_timeout_s"], f"the failed sync took {elapsed:.1f} s"
+        status = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S)
+        assert status.weight_version == committed.version
+        for url in engines.urls:  # released: the checker runs on the scheduler, which a loader blocked would hold
+            started = time.monotonic()
+            assert engine_checksums(url), url
+            assert time.monotonic() - started < 10.0, url
+            if url in status.held_engines:
+                assert url not in status.serving_engines and is_paused(url), url
+        assert status.held_engines, status  # the engines rank 1 fed took some of the new weights
+    finally:
+        ray.get(
+            trainers.actors[0].__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60
+        )
         ray.kill(controller)
