@@ -1,7 +1,8 @@
-"""shard_direct's routed form driven end to end for the real-SGLang tier: two real megatron-core trainer ranks (TP=2,
-Ray actors on a loopback cluster) with a given feed plan sync into running servers, with the gather export made to
-fail if it is entered; each trained round must commit, pass its check with every sent tensor counted, and the
-servers must then generate with that version."""
+"""The routed transports driven end to end for the real-SGLang tier: two real megatron-core trainer ranks (TP=2, Ray
+actors on a loopback cluster) with a given feed plan sync into running servers through shard_direct's routed form
+and/or p2p (the servers then run the p2p loader as their custom weight loader), one controller per transport on the
+same trainer ranks, with the gather export made to fail if it is entered; each trained round must commit, pass its
+check with every sent tensor counted, and the servers must then generate with that version."""
 
 from __future__ import annotations
 
@@ -42,8 +43,16 @@ def samples(urls: Sequence[str], round_index: int) -> list:
     return asyncio.run(main())
 
 
-def routed_rounds(urls: Sequence[str], *, checkpoint: Path, feeds: FeedPlan, num_rounds: int = 2) -> list[SyncReport]:
-    """`num_rounds` train -> routed sync -> generate rounds into the servers at `urls`; their reports."""
+def routed_rounds(
+    urls: Sequence[str],
+    *,
+    checkpoint: Path,
+    feeds: FeedPlan,
+    num_rounds: int = 2,
+    transports: Sequence[TransportKind] = (TransportKind.SHARD_DIRECT,),
+) -> list[SyncReport]:
+    """Per transport in turn, `num_rounds` train -> routed sync -> generate rounds into the servers at `urls`; every
+    round's report, in order."""
 
     def refuse(index: int) -> None:  # nested: Ray pickles it by value into the trainer processes
         raise AssertionError(f"unit {index} went through the gather export: a routed sync gathers nothing")
@@ -56,22 +65,23 @@ def routed_rounds(urls: Sequence[str], *, checkpoint: Path, feeds: FeedPlan, num
                 a.__ray_call__.remote(lambda self: attached_source().add_unit_listener(refuse)) for a in trainers.actors
             ]
             ray.get(listeners, timeout=60)
-            sync = SyncConfig(transport=TransportKind.SHARD_DIRECT, **SYNC)
-            controller = create_controller(trainers=trainers.actors, engine_urls=list(urls), sync=sync, model=MODEL)
-            try:
-                rollouts = samples(urls, 0)
-                for round_index in range(1, num_rounds + 1):
-                    trainers.train_step(train_batch(rollouts), timeout_s=RAY_TIMEOUT_S)
-                    report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
-                    assert report.committed, report.summary()
-                    for engine in report.engines:
-                        assert engine.success and engine.num_verified_tensors == report.num_tensors > 0, engine
-                    rollouts = samples(urls, round_index)
-                    assert {s.weight_version for s in rollouts} == {report.version}
-                    reports.append(report)
-            finally:
-                ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
-                ray.kill(controller)
+            rollouts = samples(urls, 0)
+            for transport in transports:
+                sync = SyncConfig(transport=transport, **SYNC)
+                controller = create_controller(trainers=trainers.actors, engine_urls=list(urls), sync=sync, model=MODEL)
+                try:
+                    for round_index in range(1, num_rounds + 1):
+                        trainers.train_step(train_batch(rollouts), timeout_s=RAY_TIMEOUT_S)
+                        report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+                        assert report.committed and report.transport == transport.value, report.summary()
+                        for engine in report.engines:
+                            assert engine.success and engine.num_verified_tensors == report.num_tensors > 0, engine
+                        rollouts = samples(urls, round_index)
+                        assert {s.weight_version for s in rollouts} == {report.version}
+                        reports.append(report)
+                finally:
+                    ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
+                    ray.kill(controller)
         finally:
             trainers.shutdown()
     return reports

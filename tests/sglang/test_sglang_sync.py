@@ -30,7 +30,9 @@ from miles_sync.sync.controller import SyncController, SyncError
 from miles_sync.sync.report import SyncReport
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.transport.base import TransportKind
 from miles_sync.transport.feeds import Device, plan_feeds
+from miles_sync.transport.p2p_loader import LOADER_PATH
 from miles_sync.weights.checksum import sglang_fused_tensor, sglang_parameter_names, sglang_tensor_hash
 from miles_sync.wire.protocol import (
     GenerateRequest,
@@ -68,7 +70,9 @@ def servers(reference_checkpoints, sglang_python, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         pairs = []
         for _ in range(2):
-            launcher = stack.enter_context(sglang_server(model=model, python=sglang_python, log_dir=log_dir))
+            launcher = stack.enter_context(
+                sglang_server(model=model, python=sglang_python, log_dir=log_dir, custom_weight_loaders=(LOADER_PATH,))
+            )
             pairs.append((launcher, stack.enter_context(recording_proxy(launcher.url))))
         yield pairs
 
@@ -365,16 +369,23 @@ def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, 
     assert recovered.committed and recovered.verification == "engine-exact (sha256)"
 
 
-def test_routed_shard_direct_feeds_each_server_from_its_own_trainer_rank(servers, reference_checkpoints):
-    """shard_direct's routed form from two real megatron-core trainer ranks (TP=2) into the two TP=1 servers, server
-    j fed by trainer rank j: each rank sends the other the halves of the sharded tensors its server lacks (point to
-    point), with no gather (tests/routed_rounds.py); the round is verified engine-exact, every sent tensor counted."""
+def test_routed_transports_feed_each_server_from_its_own_trainer_rank(servers, reference_checkpoints):
+    """shard_direct's routed form, then p2p, from two real megatron-core trainer ranks (TP=2) into the two TP=1
+    servers, server j fed by trainer rank j: each rank sends the other the halves of the sharded tensors its server
+    lacks (point to point), with no gather (tests/routed_rounds.py), and hands its server the whole parameters mapped
+    (shard_direct) or point to point through the server's custom weight loader (p2p); each round is verified
+    engine-exact, every sent tensor counted."""
     devices = [Device(node="127.0.0.1", index=r) for r in range(2)]
     feeds = plan_feeds(trainer_devices=devices, engine_devices=[[d] for d in devices])
     urls = [launcher.url for launcher, _ in servers]
-    # One round: the tier's time goes to the servers; the TP=2 module runs two.
-    (report,) = routed_rounds(urls, checkpoint=reference_checkpoints / "target", feeds=feeds, num_rounds=1)
-    assert [e.verification for e in report.engines] == ["engine-exact (sha256)"] * 2, report.summary()
+    # One round each: the tier's time goes to the servers; the TP=2 module runs two.
+    transports = (TransportKind.SHARD_DIRECT, TransportKind.P2P)
+    reports = routed_rounds(
+        urls, checkpoint=reference_checkpoints / "target", feeds=feeds, num_rounds=1, transports=transports
+    )
+    assert [r.transport for r in reports] == ["shard_direct", "p2p"]
+    for report in reports:
+        assert [e.verification for e in report.engines] == ["engine-exact (sha256)"] * 2, report.summary()
 
 
 def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_resumed(servers, source, checkpoint):

@@ -18,7 +18,9 @@ from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.transport.base import TransportKind
 from miles_sync.transport.feeds import Device, plan_feeds
+from miles_sync.transport.p2p_loader import LOADER_PATH
 from miles_sync.wire.protocol import PauseMode, WeightsCheckerAction, WeightsCheckerRequest
 
 TIMEOUTS = SessionTimeouts(control_s=30.0, sync_s=120.0)
@@ -30,7 +32,10 @@ NO_DRAFT = SelectorInputs(
 @pytest.fixture(scope="module")
 def server(reference_checkpoints, sglang_python, tmp_path_factory):
     model = reference_checkpoints / "target"
-    with sglang_server(model=model, python=sglang_python, log_dir=tmp_path_factory.mktemp("tp2"), tp_size=2) as s:
+    log_dir = tmp_path_factory.mktemp("tp2")
+    with sglang_server(
+        model=model, python=sglang_python, log_dir=log_dir, tp_size=2, custom_weight_loaders=(LOADER_PATH,)
+    ) as s:
         yield s
 
 
@@ -72,11 +77,16 @@ def test_a_tp2_server_is_verified_engine_exact_per_rank(server, source, referenc
 
 
 def test_each_trainer_rank_feeds_its_own_server_rank_without_a_gather(server, reference_checkpoints):
-    """shard_direct's routed form: two real megatron-core trainer ranks (TP=2) each feed the server rank of the same
-    index its own parameters, with no gather (tests/routed_rounds.py); every trained round is verified engine-exact
-    per rank, every sent tensor counted."""
+    """shard_direct's routed form, then p2p: two real megatron-core trainer ranks (TP=2) each send the server rank of
+    the same index its own parameters, with no gather (tests/routed_rounds.py): mapped from shared memory, then
+    point to point through the server's custom weight loader; every trained round is verified engine-exact per
+    rank (one round each), every sent tensor counted."""
     # One host: trainer rank r and server rank r share "device" r, so rank r's shared memory feeds server rank r.
     devices = [Device(node="127.0.0.1", index=r) for r in range(2)]
     feeds = plan_feeds(trainer_devices=devices, engine_devices=[devices])
-    for report in routed_rounds([server.url], checkpoint=reference_checkpoints / "target", feeds=feeds):
+    transports = (TransportKind.SHARD_DIRECT, TransportKind.P2P)
+    checkpoint = reference_checkpoints / "target"
+    reports = routed_rounds([server.url], checkpoint=checkpoint, feeds=feeds, num_rounds=1, transports=transports)
+    assert [r.transport for r in reports] == ["shard_direct", "p2p"]
+    for report in reports:
         assert [e.verification for e in report.engines] == ["engine-exact (sha256)"], report.summary()
