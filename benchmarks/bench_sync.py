@@ -1,6 +1,6 @@
 """Sync throughput, scaling and overheads, side by side against baselines and this machine's ceiling, in one run.
 
-    python benchmarks/bench_sync.py [--quick] [--parallel-only] [--tp-only] [--models-only] [--json PATH]
+    python benchmarks/bench_sync.py [--quick] [--parallel-only] [--tp-only] [--p2p-only] [--models-only] [--json PATH]
         [--png PATH] [--cache DIR] [--repetitions N] [--repeats N] [--models NAMES] [--compare COMMIT]
 
 Every figure is a ratio of things measured in the same run (the machine is shared and noisy). Per model (Qwen3
@@ -113,6 +113,7 @@ from _baselines import (  # noqa: E402
     verified_cpu_bound,
 )
 from _fed_sync import bench_fed, print_fed_table, received_bytes  # noqa: E402
+from _p2p_sync import bench_p2p, p2p_topologies, print_p2p_table  # noqa: E402
 from _parallel_sync import bench_parallel, print_parallel_table  # noqa: E402
 from _procstat import PeakSampler, cpu_seconds, rss_bytes  # noqa: E402
 from _repeat import MIN_REPETITIONS, UNSTABLE_SPREAD, Spread, alternate, is_number, median_of, spreads_of  # noqa: E402
@@ -970,6 +971,8 @@ def print_tables(result: dict) -> None:
         print_parallel_table(result["parallel"])
     if result.get("fed") is not None:
         print_fed_table(result["fed"])
+    if result.get("p2p") is not None:
+        print_p2p_table(result["p2p"])
 
 
 def print_tp_table(row: dict) -> None:
@@ -1044,6 +1047,7 @@ def headline_keys(
     fp8: dict | None = None,
     lora: dict | None = None,
     guard: dict | None = None,
+    p2p: dict | None = None,
 ) -> dict[str, float]:
     """One repetition's headline figures of the sections given: the summary keys of the models' core cases and every
     `topologies.<key>` (numbers only)."""
@@ -1051,6 +1055,8 @@ def headline_keys(
     tops = topologies(rows, parallel, fp8, lora, guard)
     if fed is not None:
         tops.update(fed_topologies(fed))
+    if p2p is not None:
+        tops.update(p2p_topologies(p2p))
     return out | {f"topologies.{k}": v for k, v in tops.items()}
 
 
@@ -1081,6 +1087,7 @@ def section_repetitions(
     fp8: dict | None = None,
     lora: dict | None = None,
     guard: dict | None = None,
+    p2p: dict | None = None,
 ) -> dict[str, list[dict[str, float]]]:
     """Each section's headline figures, one dict per repetition of that section (sections take different numbers
     of repetitions: LAYOUT_REPETITIONS); `rows` are the models' rows, whose core cases, engine-digest pair (the
@@ -1099,6 +1106,8 @@ def section_repetitions(
         out["parallel"] = [headline_keys([], p, None) for p in parallel["repetitions"]]
     if fed is not None:
         out["fed"] = [headline_keys([], None, f) for f in fed["repetitions"]]
+    if p2p is not None:
+        out["p2p"] = [headline_keys([], None, None, p2p=p) for p in p2p["repetitions"]]
     if fp8 is not None and lora is not None and guard is not None:
         out["fp8_lora_guard"] = [
             headline_keys([], None, None, *x)
@@ -1184,6 +1193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--tp-only", action="store_true", help="only the TP comparison (TP=1 vs TP=2 engine, each transport)"
     )
+    parser.add_argument(
+        "--p2p-only", action="store_true", help="only p2p against the distributed broadcast (engines on their own)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="default outputs/bench_sync[_parallel].json")
     parser.add_argument("--png", type=Path, default=Path("outputs/bench_sync.png"))
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("MILES_SYNC_CACHE", "~/.cache/miles_sync")))
@@ -1222,7 +1234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--repetitions must be >= {MIN_REPETITIONS}: a median of fewer is one sample's luck")
     args.cache = args.cache.expanduser()
     if args.json is None:
-        kind = "_parallel" if args.parallel_only else "_tp" if args.tp_only else ""
+        kind = "_parallel" if args.parallel_only else "_tp" if args.tp_only else "_p2p" if args.p2p_only else ""
         args.json = Path(f"outputs/bench_sync{kind}.json")
     names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
     args.bucket_sweep = [16, 64, 256] if args.quick else [16, 64, 256, 1024]
@@ -1239,6 +1251,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout_reps = max(reps, LAYOUT_REPETITIONS)
     small = args.repeats or SMALL_SERIES_SYNCS  # the layout sections' models are all below 256 MiB
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
+    if args.p2p_only:
+        with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
+            p2p = bench_p2p(
+                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+            )
+        result = {
+            "p2p_only": True,
+            "wall_s": time.perf_counter() - started,
+            "cpu_count": os.cpu_count(),
+            "commit": git_commit(),
+            "p2p": p2p,
+        }
+        result = with_spreads(result, {"p2p": section_repetitions([], None, None, p2p=p2p)["p2p"]})
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        print_p2p_table(p2p)
+        print_keys(result)
+        print(f"\nwrote {args.json} in {result['wall_s']:.0f} s")
+        return 0
     if args.tp_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
             row = bench_tp_only(MODELS[sweep_model], args)
@@ -1289,6 +1320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
             )
         )
+        p2p = (
+            None
+            if args.parallel_only or args.models_only
+            else bench_p2p(
+                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+            )
+        )
     fp8 = lora = guard = None
     if not (args.parallel_only or args.models_only):
         smallest = min(names, key=lambda n: model_size(MODELS[n]))
@@ -1324,8 +1362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lora": lora,
         "draft_guard": guard,
         "fed": fed,
+        "p2p": p2p,
     }
-    result = with_spreads(result, section_repetitions(rows, parallel, fed, fp8, lora, guard))
+    result = with_spreads(result, section_repetitions(rows, parallel, fed, fp8, lora, guard, p2p))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     if rows:

@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             algorithm=BACKENDS[args.backend],
         )
         for transport in Transport
-        for staged in (False, True)
+        for staged in ((False,) if transport is Transport.P2P else (False, True))
     ]
     if args.json:
         print(json.dumps([{**asdict(p), "transport": p.transport.value} for p in projections], indent=2))

@@ -26,6 +26,14 @@ Transports:
              (double buffering: the source packs bucket i+1 while bucket i is on the wire and being loaded)
   verify   = S / engine_tp / h (each engine rank hashes its weights), when verifying
   sync     = per_sync + per_engine x E + send + verify; the pause window is all of it.
+  p2p (shard-owned, engines anywhere; miles_sync.transport.p2p): no gather and no broadcast. Each engine rank
+             receives its own shard, S / engine_tp; the R engine ranks are fed round robin by the N = stage_width x
+             pp ranks of one trainer replica, so the busiest trainer rank builds and sends ceil(R / N) shards; a
+             feeder holds f = min(1, engine_tp / stage_width) of each shard it feeds and takes the rest from its
+             peers first (S / engine_tp x (1 - f) per shard, within the node when a replica fits one). Every slice is
+             hashed where it is built and again where it lands (the per-slice digests), and it lands in place (no
+             load step): send = exchange + busiest x (1 / m + 1 / h) + max(busiest, S / engine_tp) / B +
+             S / engine_tp / h + the per-call costs; no staging.
 Staged (`staged=True`): export, gather, packing (into freshly allocated memory, at the `fresh_copy` rate: every
 packed bucket is kept, so no buffer is reused) and the sender's digests run before the pause (stage_s = source
 time of the largest stage, or of the one source), so the pause window holds only link + load, the per-call costs
@@ -53,6 +61,7 @@ class Transport(str, Enum):
     BROADCAST = "broadcast"  # one source, every stage gathered to it
     PER_STAGE = "per_stage"  # one source per pipeline stage, concurrent exports
     COLOCATED = "colocated"  # per node, IPC handles, no broadcast
+    P2P = "p2p"  # every trainer rank sends its own shards point to point to the engine ranks that keep them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +191,11 @@ def project(
     with). Pure; see the module docstring for every term."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if transport is Transport.P2P:
+        if staged:
+            raise ValueError("p2p sends each rank's own shards at send time: it has no staged form")
+        layout = dict(trainer=trainer, engines=engines, cluster=cluster)
+        return _project_p2p(shape, **layout, costs=costs, dtype=dtype, bucket_bytes=bucket_bytes)
     stages = _stages(shape, dtype=dtype, pp=trainer.pp)
     total = sum(s.num_bytes for s in stages)
     memcpy, hasher = costs.memcpy_gbps * 1e9, costs.hash_gbps * 1e9
@@ -285,6 +299,51 @@ def project(
         engine_rank_extra_bytes=0 if transport is Transport.COLOCATED else bucket,
         num_bytes=total,
         num_tensors=shape.num_tensors(dtype),
+        num_buckets=num_buckets,
+        terms=terms,
+    )
+
+
+def _project_p2p(
+    shape: ModelShape,
+    *,
+    trainer: TrainerLayout,
+    engines: EngineFleet,
+    cluster: Cluster,
+    costs: Costs,
+    dtype: ExportDtype,
+    bucket_bytes: int,
+) -> Projection:
+    """The p2p transport's sync (module docstring): verification always on (its digests are per slice)."""
+    total = shape.num_bytes(dtype)
+    num_tensors = shape.num_tensors(dtype)
+    memcpy, hasher, link = costs.memcpy_gbps * 1e9, costs.hash_gbps * 1e9, cluster.link_gbps * 1e9
+    shard = total / engines.tp
+    feeders = trainer.stage_width * trainer.pp
+    busiest = math.ceil(engines.num_ranks / feeders) * shard
+    held = min(1.0, engines.tp / trainer.stage_width)
+    fits_node = trainer.stage_width * trainer.pp <= cluster.gpus_per_node
+    exchange_bw = (cluster.intra if fits_node else cluster.link_gbps) * 1e9
+    num_buckets = max(1, math.ceil(shard / bucket_bytes))
+    terms = dict.fromkeys(("gather", "pp_hop", "pack", "hash", "link", "load", "verify", "per_call"), 0.0)
+    terms["gather"] = busiest * (1 - held) / exchange_bw  # the slices a feeder takes from its peers
+    terms["pack"] = busiest / memcpy
+    terms["hash"] = busiest / hasher + shard / hasher  # digests where each slice is built, and where it lands
+    terms["link"] = max(busiest, shard) / link
+    terms["verify"] = shard / hasher
+    terms["per_call"] = num_buckets * costs.per_bucket_s + num_tensors * costs.per_tensor_s
+    fixed = costs.per_sync_s + costs.per_engine_s * engines.count
+    pause = fixed + sum(terms.values())
+    terms["per_call"] += fixed
+    return Projection(
+        transport=Transport.P2P,
+        sync_s=pause,
+        pause_s=pause,
+        stage_s=0.0,
+        sender_extra_bytes=int(min(bucket_bytes, shard) * math.ceil(engines.num_ranks / feeders)),
+        engine_rank_extra_bytes=0,  # received in place
+        num_bytes=total,
+        num_tensors=num_tensors,
         num_buckets=num_buckets,
         terms=terms,
     )

@@ -189,6 +189,22 @@ def test_per_stage_sources_skip_the_pipeline_hop():
     assert per_stage.num_bytes == one.num_bytes
 
 
+def test_p2p_sends_each_engine_rank_its_shard_from_the_ranks_that_hold_it():
+    """Engine ranks fed round robin by one replica's ranks (tp4 pp4 ep8: a stage spans max(4, 8) = 8 ranks, so 32
+    feeders): each engine rank's shard is S / 8 and crosses the link once; no broadcast, no load step, no staging."""
+    shard = projected(Transport.P2P).num_bytes / 8
+    for engines in (1, 4, 8):  # 8, 32, 64 engine ranks over 32 feeders: 1, 1, 2 shards on the busiest
+        p = projected(Transport.P2P, engines=engines, link=50.0)
+        busiest = math.ceil(engines * 8 / 32) * shard
+        assert p.terms["link"] == pytest.approx(busiest / 50e9)
+        assert p.terms["load"] == 0 and p.engine_rank_extra_bytes == 0 and p.stage_s == 0
+    # More engines than feeders: the busiest rank sends more, but far less than a broadcast to every rank moves.
+    assert projected(Transport.P2P, engines=16).sync_s > projected(Transport.P2P, engines=4).sync_s
+    assert projected(Transport.P2P, engines=16, link=5.0).terms["link"] < projected(engines=16, link=5.0).terms["link"]
+    with pytest.raises(ValueError, match="no staged form"):
+        projected(Transport.P2P, staged=True)
+
+
 def test_costs_round_trip_and_reject_bad_values(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(COSTS.to_json())
@@ -222,10 +238,11 @@ def test_cli_prints_a_table_per_transport_and_the_published_figures(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "684.5B parameters" in out
-    for label in ("broadcast ", "broadcast staged", "per_stage ", "per_stage staged", "colocated ", "colocated staged"):
+    labels = ("broadcast ", "broadcast staged", "per_stage ", "per_stage staged", "colocated ", "colocated staged")
+    for label in (*labels, "p2p "):
         assert any(line.startswith(label) for line in out.splitlines()), label
     assert "52.98 s  Miles NCCL broadcast" in out
     assert main([*argv, "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)) == 6
+    assert len(json.loads(capsys.readouterr().out)) == 7  # p2p has no staged form
     assert main(["--config", "no-such-model", "--link-gbps", "1"]) == 2
     assert "no-such-model" in capsys.readouterr().err
