@@ -9,8 +9,8 @@ Where each kind of malformed input is covered (together they cover the issue's l
   unknown dtype name, wrong group name, empty names; plus session protocol errors (second begin, end without
   session, destroying an unknown group, engine rank 0).
 - tests/multiproc/test_reference_server.py: body that is not JSON, wrong-typed sampling parameter, 404/405 probes.
-- this module, CASES: huge shapes (per tensor and flattened), truncated base64, truncated pickle, a plainly
-  pickled tensor (torch.save bytes inside), persistent ids, wrong payload structures, duplicate names, forged
+- this module, CASES: huge shapes (per tensor and flattened), truncated base64, truncated pickle, an inline
+  storage (torch.save bytes) that is no storage, persistent ids, wrong payload structures, duplicate names, forged
   FlattenedTensorMetadata states, wrong element types, bool for int, null for a required field, non-weight dtype,
   load formats that do not apply, body that is not an object, non-UTF-8 and deeply nested bodies, bad init
   arguments (world size, port, backend, taken group name), bad checker action, missing version, bad flush timeout.
@@ -84,6 +84,22 @@ def env(reference_checkpoints, tmp_path_factory) -> Iterator[dict[str, Any]]:
 def _q(env) -> tuple[str, torch.Tensor]:
     name = next(n for n in sorted(env["weights"]) if n.endswith("self_attn.q_proj.weight"))
     return name, env["weights"][name]
+
+
+class _InlineStorage:
+    """Pickles as `torch.storage._load_from_bytes(data)`: what a plainly pickled tensor's storage is."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        return (torch.storage._load_from_bytes, (self.data,))
+
+
+def _torch_saved(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def _b64(raw: bytes) -> str:
@@ -160,11 +176,13 @@ CASES: dict[str, HostileCase] = {
         needle="payload does not unpickle",
         body=lambda env: _tensor_body(_b64(pickle.dumps([("w", list(range(64)))])[:40])),
     ),
-    "plainly-pickled-tensor": HostileCase(
+    # A plainly pickled tensor (torch.save bytes inline) loads, as in SGLang's unpickler (the p2p ticket is one);
+    # its storage bytes must load as a storage with weights_only, as SGLang's `_safe_load_torch_storage` requires.
+    "inline-storage-that-is-no-storage": HostileCase(
         endpoint="/update_weights_from_tensor",
         opens_session=True,
-        needle="torch._utils._rebuild_tensor_v2, which is outside the allow-list",
-        body=lambda env: _tensor_body(_b64(pickle.dumps([_q(env)]))),
+        needle="an inline storage must load as a typed storage, got dict",
+        body=lambda env: _tensor_body(_b64(pickle.dumps([("w", _InlineStorage(_torch_saved({"not": "a storage"})))]))),
     ),
     "persistent-id": HostileCase(
         endpoint="/update_weights_from_tensor",
@@ -234,10 +252,12 @@ CASES: dict[str, HostileCase] = {
         needle="serialized_named_tensors[0]: expected str, got int 123",
         body=lambda env: _tensor_body(123),
     ),
-    "unknown-load-format": HostileCase(
+    # Any string is a load_format (a custom loader's import path); one the engine was not started with crashes it
+    # inside a session, as it crashes SGLang (tests/sglang/test_direct_load_sglang.py). A non-string is refused.
+    "load-format-of-another-type": HostileCase(
         endpoint="/update_weights_from_tensor",
-        needle="'pickle' is not one of",
-        body=lambda env: _tensor_body("x", load_format="pickle"),
+        needle="load_format: expected",
+        body=lambda env: _tensor_body("x", load_format=5),
     ),
     # ---- distributed path
     "huge-shape": HostileCase(
