@@ -33,7 +33,7 @@ Transports:
              peers first (S / engine_tp x (1 - f) per shard, within the node when a replica fits one). Every slice is
              hashed where it is built and again where it lands (the per-slice digests), and it lands in place (no
              load step): send = exchange + busiest x (1 / m + 1 / h) + max(busiest, S / engine_tp) / B +
-             S / engine_tp / h + the per-call costs; no staging.
+             S / engine_tp / h + the per-call costs (+ S / engine_tp / h when verifying); no staging.
 Staged (`staged=True`): export, gather, packing (into freshly allocated memory, at the `fresh_copy` rate: every
 packed bucket is kept, so no buffer is reused) and the sender's digests run before the pause (stage_s = source
 time of the largest stage, or of the one source), so the pause window holds only link + load, the per-call costs
@@ -195,7 +195,7 @@ def project(
         if staged:
             raise ValueError("p2p sends each rank's own shards at send time: it has no staged form")
         layout = dict(trainer=trainer, engines=engines, cluster=cluster)
-        return _project_p2p(shape, **layout, costs=costs, dtype=dtype, bucket_bytes=bucket_bytes)
+        return _project_p2p(shape, **layout, costs=costs, dtype=dtype, bucket_bytes=bucket_bytes, verify=verify)
     stages = _stages(shape, dtype=dtype, pp=trainer.pp)
     total = sum(s.num_bytes for s in stages)
     memcpy, hasher = costs.memcpy_gbps * 1e9, costs.hash_gbps * 1e9
@@ -313,8 +313,10 @@ def _project_p2p(
     costs: Costs,
     dtype: ExportDtype,
     bucket_bytes: int,
+    verify: bool,
 ) -> Projection:
-    """The p2p transport's sync (module docstring): verification always on (its digests are per slice)."""
+    """The p2p transport's sync (module docstring). Its per-slice digests are always on; `verify` adds the engines'
+    own check after the session (the engine-exact digests)."""
     total = shape.num_bytes(dtype)
     num_tensors = shape.num_tensors(dtype)
     memcpy, hasher, link = costs.memcpy_gbps * 1e9, costs.hash_gbps * 1e9, cluster.link_gbps * 1e9
@@ -330,7 +332,7 @@ def _project_p2p(
     terms["pack"] = busiest / memcpy
     terms["hash"] = busiest / hasher + shard / hasher  # digests where each slice is built, and where it lands
     terms["link"] = max(busiest, shard) / link
-    terms["verify"] = shard / hasher
+    terms["verify"] = shard / hasher if verify else 0.0
     terms["per_call"] = num_buckets * costs.per_bucket_s + num_tensors * costs.per_tensor_s
     fixed = costs.per_sync_s + costs.per_engine_s * engines.count
     pause = fixed + sum(terms.values())
