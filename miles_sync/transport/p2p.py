@@ -52,13 +52,18 @@ from miles_sync.transport.p2p_loader import (
     encode_ticket,
     send_params,
 )
-from miles_sync.transport.shard_routed import RoutedBucketIndex, RoutedDelivery, ShardRoutedRank
+from miles_sync.transport.shard_routed import (
+    RoutedBucketIndex,
+    RoutedDelivery,
+    ShardRoutedRank,
+    all_gather,
+    routed_delivery,
+)
 from miles_sync.weights.checksum import TensorHash
 from miles_sync.weights.shard_routes import Build, Holding, LocalPiece, RoutedSchedule
 from miles_sync.wire.bucket import BucketEntry, unpack_bucket
 from miles_sync.wire.payload import encode_inline_named_tensors
 from miles_sync.wire.protocol import Selector
-from miles_sync.wire.text import raise_if
 
 __all__: list[str] = []  # reached through the transport registry only
 
@@ -369,7 +374,7 @@ class P2PRank(RoutedRankTransport):
         if channels is None:
             return
         try:
-            broken = await self._fan_out.collective(_all_gather, channels.broken)
+            broken = await self._fan_out.collective(all_gather, channels.broken)
         except BaseException:
             broken = [True]  # the group itself failed: nothing here can be trusted
         if any(broken):
@@ -380,10 +385,6 @@ class P2PRank(RoutedRankTransport):
 
     async def close(self, *, timeout_s: float) -> None:
         await self._routed.close(timeout_s=timeout_s)
-
-
-def _all_gather(collectives: Collectives, obj: object) -> list:
-    return collectives.all_gather_object(obj)
 
 
 def _store_address(collectives: Collectives, address: StoreAddress | None) -> StoreAddress:
@@ -397,22 +398,8 @@ async def open_p2p_routed_rank(
     rank, the source's channel store (its address broadcast to all), then the routed plan from every rank's
     `holdings`. Raises ValueError, on every rank alike, for an engine without a layout or a plan that leaves a
     slice unheld, before any byte moves."""
-    raise_if(
-        [f"{e.url}: its parameter layout is unknown" for e in engines if e.direct is None],
-        what="the p2p transport needs every engine's parameter layout",
-    )
-    if setup.feeds is None:
-        raise ValueError(
-            "a p2p send needs its feed plan (plan_spread_feeds: which trainer rank feeds each engine rank)"
-        )
-    role = FeedRole(plan=setup.feeds.plan, rank=setup.feeds.rank, source_rank=setup.feeds.source_rank, every_rank=True)
-    role.plan.check_engines(engines)
-    routed = RoutedDelivery(
-        role=role,
-        layouts=[e.direct for e in engines],
-        metas=setup.metas,
-        bucket_bytes=bucket_bytes,
-        device=torch.device(setup.device),
+    role, routed = routed_delivery(
+        engines=engines, setup=setup, bucket_bytes=bucket_bytes, transport="p2p", feeds="its spread feed plan"
     )
     delivery = P2PDelivery(routed=routed, role=role, timeout_s=setup.fan_out_timeout_s)
     fan_out, clients = await open_posting_fan_out(role=role, engines=engines, setup=setup, delivery=delivery)

@@ -393,7 +393,7 @@ class ShardRoutedRank(RoutedRankTransport):
         # missing from it would leave its peers blocked until the group's timeout.
         gathered: list = []
         try:
-            gathered = await self._fan_out.collective(_all_gather, self._delivery.digests())
+            gathered = await self._fan_out.collective(all_gather, self._delivery.digests())
         except BaseException:
             if error is None:
                 raise
@@ -423,8 +423,33 @@ class ShardRoutedRank(RoutedRankTransport):
                 await client.close()
 
 
-def _all_gather(collectives: Collectives, obj: object) -> list:
+def all_gather(collectives: Collectives, obj: object) -> list:
+    """Every member's `obj`, in member order (for `FanOut.collective`)."""
     return collectives.all_gather_object(obj)
+
+
+def routed_delivery(
+    *, engines: Sequence[EngineEndpoint], setup: RankSetup, bucket_bytes: int, transport: str, feeds: str
+) -> tuple[FeedRole, RoutedDelivery]:
+    """This rank's role with every trainer rank a member, and its RoutedDelivery over `engines`. Raises ValueError
+    for an engine without a layout, no feed plan (`feeds` names the one `transport` needs) or a plan that does not
+    match the engines."""
+    raise_if(
+        [f"{e.url}: its parameter layout is unknown" for e in engines if e.direct is None],
+        what=f"the {transport} transport needs every engine's parameter layout",
+    )
+    if setup.feeds is None:
+        raise ValueError(f"a routed {transport} send needs {feeds} (which trainer rank feeds each engine rank)")
+    role = FeedRole(plan=setup.feeds.plan, rank=setup.feeds.rank, source_rank=setup.feeds.source_rank, every_rank=True)
+    role.plan.check_engines(engines)
+    delivery = RoutedDelivery(
+        role=role,
+        layouts=[e.direct for e in engines],
+        metas=setup.metas,
+        bucket_bytes=bucket_bytes,
+        device=torch.device(setup.device),
+    )
+    return role, delivery
 
 
 async def open_shard_routed_rank(
@@ -434,22 +459,8 @@ async def open_shard_routed_rank(
     over the trainer's default group: every rank opens at once), then the plan from every rank's `holdings` (a
     collective over the fan-out). Raises ValueError, on every rank alike, for an engine without a layout, a feed
     plan that does not match the engines, or a plan that leaves a slice unheld, before any byte moves."""
-    raise_if(
-        [f"{e.url}: its parameter layout is unknown" for e in engines if e.direct is None],
-        what="the shard_direct transport needs every engine's parameter layout",
-    )
-    if setup.feeds is None:
-        raise ValueError(
-            "a routed shard_direct send needs a colocated feed plan (which trainer rank feeds each engine rank)"
-        )
-    role = FeedRole(plan=setup.feeds.plan, rank=setup.feeds.rank, source_rank=setup.feeds.source_rank, every_rank=True)
-    role.plan.check_engines(engines)
-    delivery = RoutedDelivery(
-        role=role,
-        layouts=[e.direct for e in engines],
-        metas=setup.metas,
-        bucket_bytes=bucket_bytes,
-        device=torch.device(setup.device),
+    role, delivery = routed_delivery(
+        engines=engines, setup=setup, bucket_bytes=bucket_bytes, transport="shard_direct", feeds="a colocated feed plan"
     )
     fan_out, clients = await open_posting_fan_out(role=role, engines=engines, setup=setup, delivery=delivery)
     if fan_out is None:
