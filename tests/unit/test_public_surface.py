@@ -311,7 +311,7 @@ ENUMS = {
     draft.DraftKind: ["none", "standalone", "mtp", "ngram"],
     registry.ConversionMode: ["raw", "bridge"],
     selector.SelectorMode: ["auto", "target", "draft", "all"],
-    transport.TransportKind: ["distributed", "colocated", "shard_direct"],
+    transport.TransportKind: ["distributed", "colocated", "shard_direct", "p2p"],
     kinds.EngineKind: ["reference", "sglang"],
     layout.WeightLayout: ["none", "aiter"],
     settings.FinalizePolicy: ["strict", "sglang", "no_selector"],
