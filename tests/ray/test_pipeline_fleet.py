@@ -11,7 +11,8 @@ each fleet with 2 reference engines of its model (frozen MTP draft, AITER layout
   trainer group is restarted the next sync commits, verified;
 - the MoE group trains with its experts split over two EP ranks, and its source rank sends every expert (its own
   and those gathered from the other EP rank), verified on every transport (shard_direct: as stacked FusedMoE
-  parameters).
+  parameters; p2p: each EP rank builds its engine's stacked experts from its own and the other rank's, sent point
+  to point through the engines' custom weight loader).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from miles_sync.job.trainer import TrainBatch
 from miles_sync.sync.attach import attached_source
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.transport.base import TransportKind
+from miles_sync.transport.p2p_loader import LOADER_PATH
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import SamplingParams, Selector
@@ -76,7 +78,11 @@ class PipelineFleet:
 @contextlib.contextmanager
 def started(checkpoint: str, trainer: TrainerConfig, log_dir) -> Iterator[PipelineFleet]:
     spec = ReferenceEngineSpec(
-        model_dir=checkpoint, draft_kind=DraftKind.MTP, weight_layout=WeightLayout.AITER, collective_timeout_s=20.0
+        model_dir=checkpoint,
+        draft_kind=DraftKind.MTP,
+        weight_layout=WeightLayout.AITER,
+        collective_timeout_s=20.0,
+        custom_weight_loaders=(LOADER_PATH,),  # for p2p; unused by the other transports
     )
     with contextlib.ExitStack() as stack:
         engines = create_engines(specs=[spec, spec], log_dir=log_dir)
@@ -207,7 +213,9 @@ def test_a_stage_source_dying_mid_sync_commits_nothing_and_a_restarted_group_syn
     assert len({target_checksum(u) for u in urls}) == 1
 
 
-@pytest.mark.parametrize("transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED, TransportKind.SHARD_DIRECT])
+@pytest.mark.parametrize(
+    "transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED, TransportKind.SHARD_DIRECT, TransportKind.P2P]
+)
 def test_expert_parallel_moe_trains_and_its_source_sends_every_expert(moe_fleet, transport):
     steps = moe_fleet.trainers.train_step(BATCH, timeout_s=RAY_TIMEOUT_S)
     assert len({(s.loss, s.mean_token_nll) for s in steps}) == 1, steps
