@@ -78,7 +78,7 @@ class StoreAddress:
 
 @dataclass(frozen=True, kw_only=True)
 class _Sent:
-    """One engine's transfers of one bucket on this rank: its statuses per engine TP rank, or why it failed."""
+    """One engine's transfers of one bucket on this rank, as they ended: each engine TP rank's status."""
 
     engine: int
     statuses: dict[int, Status]
@@ -89,8 +89,18 @@ class Channels:
     """This trainer rank's channel to each engine it feeds (module docstring): joined on the channel thread at the
     first send to it, reused, dropped together (`drop`) after a failed send or at close."""
 
-    def __init__(self, *, plan: FeedPlan, rank: int, address: StoreAddress, store: object | None, timeout_s: float):
+    def __init__(
+        self,
+        *,
+        plan: FeedPlan,
+        rank: int,
+        address: StoreAddress,
+        store: object | None,
+        timeout_s: float,
+        backend: str = "gloo",
+    ):
         self._plan = plan
+        self._backend = backend  # nccl where the builds live on a GPU (untested here: no GPU), gloo on CPU
         self._rank = rank
         self._address = address
         self._store = store  # the source's store server (kept alive here), None elsewhere
@@ -113,6 +123,7 @@ class Channels:
             master_port=self._address.port,
             world_size=len(feeders) + len(self._plan.engines[engine].feeders),
             rank=rank,
+            backend=self._backend,
             timeout_s=self._timeout_s,
         )
 
@@ -136,7 +147,7 @@ class Channels:
             rank=spec.rank,
             world_size=spec.world_size,
             group_name=spec.group_name,
-            backend="gloo",
+            backend=spec.backend,
             timeout_s=spec.timeout_s,
             store=self._store,  # the source's own server, where it is a member; everyone else connects
         )
@@ -415,9 +426,16 @@ async def open_p2p_routed_rank(
         address = await fan_out.collective(
             _store_address, None if store is None else StoreAddress(host=bind_host(), port=store.port)
         )
-        delivery.connect(
-            Channels(plan=role.plan, rank=role.rank, address=address, store=store, timeout_s=setup.fan_out_timeout_s)
+        backend = "nccl" if torch.device(setup.device).type == "cuda" else "gloo"
+        channels = Channels(
+            plan=role.plan,
+            rank=role.rank,
+            address=address,
+            store=store,
+            timeout_s=setup.fan_out_timeout_s,
+            backend=backend,
         )
+        delivery.connect(channels)
         await rank._routed.plan(holdings)
     except BaseException:
         await rank.close(timeout_s=setup.fan_out_timeout_s)
