@@ -39,7 +39,7 @@ from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.transport.base import TransportKind
 from miles_sync.wire.protocol import PauseMode
 
-__all__ = ["FED_MODEL", "bench_fed", "print_fed_table", "received_bytes"]
+__all__ = ["FED_MODEL", "bench_controller", "bench_fed", "print_fed_table", "received_bytes", "sync_once"]
 
 MIB = 2**20
 HOST = "127.0.0.1"
@@ -99,7 +99,6 @@ def bench_case(
     """One case's rows (medians over the rounds) and each round's rows."""
     import ray
 
-    from actors.controller import create_controller
     from actors.placement import create_placement_groups
     from actors.rollout import DEFAULT_ENGINE_RESOURCES, create_engines
     from actors.trainer import DEFAULT_TRAINER_RESOURCES, create_trainers
@@ -136,22 +135,7 @@ def bench_case(
         # `syncs` after it counts.
         for _ in range(repeats):
             for transport in TRANSPORTS:
-                controller = create_controller(
-                    trainers=trainers.actors,
-                    engine_urls=engines.urls,
-                    sync=SyncConfig(
-                        transport=transport,
-                        bucket_bytes=bucket_bytes,
-                        pause_mode=PauseMode.RETRACT,
-                        verify=False,
-                        http_timeout_s=CALL_TIMEOUT_S,
-                        collective_timeout_s=CALL_TIMEOUT_S,
-                        sync_timeout_s=CALL_TIMEOUT_S,
-                    ),
-                    model=ModelConfig(arch="qwen3", speculative_algorithm=None),
-                    master_address=HOST,
-                    timeout_s=CALL_TIMEOUT_S,
-                )
+                controller = bench_controller(trainers, engines.urls, transport=transport, bucket_bytes=bucket_bytes)
                 try:
                     sync_once(controller)
                     before, busy = received_bytes(engines.urls), machine_busy_seconds()
@@ -198,6 +182,29 @@ def fed_rows(case: FedCase, reports: dict, received: dict, cpu: dict, i: int, *,
     direct["cpu_s_over_colocated"] = direct["cpu_s"] / colocated["cpu_s"]
     direct["send_s_over_colocated"] = direct["send_s"] / colocated["send_s"]
     return rows
+
+
+def bench_controller(trainers, urls: Sequence[str], *, transport: TransportKind, bucket_bytes: int):
+    """A controller actor over `trainers` and the engines at `urls` as every benchmark fleet syncs: retract pause,
+    verify off, the long call timeouts."""
+    from actors.controller import create_controller
+
+    return create_controller(
+        trainers=trainers.actors,
+        engine_urls=list(urls),
+        sync=SyncConfig(
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            pause_mode=PauseMode.RETRACT,
+            verify=False,
+            http_timeout_s=CALL_TIMEOUT_S,
+            collective_timeout_s=CALL_TIMEOUT_S,
+            sync_timeout_s=CALL_TIMEOUT_S,
+        ),
+        model=ModelConfig(arch="qwen3", speculative_algorithm=None),
+        master_address=HOST,
+        timeout_s=CALL_TIMEOUT_S,
+    )
 
 
 def sync_once(controller) -> object:

@@ -35,21 +35,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from _fed_sync import CALL_TIMEOUT_S, bench_controller, sync_once
 from _procstat import machine_busy_seconds
 from _repeat import median_of
 from _sync_models import MODELS, checkpoint_dir
 
-from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
+from miles_sync.config import TrainerConfig
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.transport.base import TransportKind, transport_spec
-from miles_sync.wire.protocol import PauseMode
 
 __all__ = ["P2P_MODEL", "bench_p2p", "p2p_topologies", "print_p2p_table"]
 
 MIB = 2**20
-HOST = "127.0.0.1"
-CALL_TIMEOUT_S = 600.0
 P2P_MODEL = "qwen3-55m"
 TRANSPORTS = (TransportKind.DISTRIBUTED, TransportKind.P2P)
 _SOCKET_USER = re.compile(r"pid=(\d+)")
@@ -134,7 +132,6 @@ def bench_case(
     """One case's rows (medians over the rounds) and each round's rows."""
     import ray
 
-    from actors.controller import create_controller
     from actors.rollout import create_engines
     from actors.trainer import create_trainers
 
@@ -151,22 +148,7 @@ def bench_case(
         measured: dict[TransportKind, list[dict]] = {t: [] for t in TRANSPORTS}
         for _ in range(repeats):
             for transport in TRANSPORTS:
-                controller = create_controller(
-                    trainers=trainers.actors,
-                    engine_urls=engines.urls,
-                    sync=SyncConfig(
-                        transport=transport,
-                        bucket_bytes=bucket_bytes,
-                        pause_mode=PauseMode.RETRACT,
-                        verify=False,
-                        http_timeout_s=CALL_TIMEOUT_S,
-                        collective_timeout_s=CALL_TIMEOUT_S,
-                        sync_timeout_s=CALL_TIMEOUT_S,
-                    ),
-                    model=ModelConfig(arch="qwen3", speculative_algorithm=None),
-                    master_address=HOST,
-                    timeout_s=CALL_TIMEOUT_S,
-                )
+                controller = bench_controller(trainers, engines.urls, transport=transport, bucket_bytes=bucket_bytes)
                 try:
                     sync_once(controller)
                     before, busy = socket_bytes(), machine_busy_seconds()
@@ -233,15 +215,6 @@ def p2p_topologies(section: dict) -> dict[str, float]:
             out[f"p2p_{key}_p2p_vs_distributed_total_s"] = c["total_s_over_distributed"]
             out[f"p2p_{key}_p2p_vs_distributed_cpu_s"] = c["cpu_s_over_distributed"]
     return out
-
-
-def sync_once(controller) -> object:
-    import ray
-
-    report = ray.get(controller.sync.remote(), timeout=CALL_TIMEOUT_S)
-    if not report.committed:
-        raise RuntimeError(f"p2p benchmark sync failed: {report.summary()}")
-    return report
 
 
 def print_p2p_table(section: dict) -> None:

@@ -28,14 +28,13 @@ miles_sync.transport.p2p_loader; the project installs miles_sync into SGLang's v
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
-from p2p_session import p2p_update
+from p2p_session import p2p_update, post
 from reference_server import reference_server
 from sglang_server import sglang_server
 
@@ -70,17 +69,6 @@ def servers(request, reference_checkpoints, sglang_python, tmp_path_factory):
         reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names) as ref,
     ):
         yield {"tp_size": tp_size, "sglang": real, "reference": ref}
-
-
-def post(url: str, path: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, object]:
-    """(status, parsed body); raises OSError when the server answers nothing."""
-    data = json.dumps({} if body is None else body).encode()
-    request = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"null")
 
 
 def digests(url: str) -> list[dict[str, str]]:
