@@ -369,23 +369,21 @@ def test_a_rendezvous_that_never_completes_leaves_real_servers_serving(servers, 
     assert recovered.committed and recovered.verification == "engine-exact (sha256)"
 
 
-def test_routed_transports_feed_each_server_from_its_own_trainer_rank(servers, reference_checkpoints):
-    """shard_direct's routed form, then p2p, from two real megatron-core trainer ranks (TP=2) into the two TP=1
-    servers, server j fed by trainer rank j: each rank sends the other the halves of the sharded tensors its server
-    lacks (point to point), with no gather (tests/routed_rounds.py), and hands its server the whole parameters mapped
-    (shard_direct) or point to point through the server's custom weight loader (p2p); each round is verified
-    engine-exact, every sent tensor counted."""
+def test_p2p_feeds_each_server_from_its_own_trainer_rank(servers, reference_checkpoints):
+    """p2p from two real megatron-core trainer ranks (TP=2) into the two TP=1 servers, server j fed by trainer rank
+    j: each rank sends the other the halves of the sharded tensors its server lacks (point to point), with no gather
+    (tests/routed_rounds.py), then its server the whole parameters point to point through the server's custom weight
+    loader; the round is verified engine-exact, every sent tensor counted. (The same exchange feeding shared memory,
+    shard_direct's routed form, runs into reference engines in tests/ray/test_sync_fleet.py and into the real TP=2
+    server in test_sglang_tp2.py.)"""
     devices = [Device(node="127.0.0.1", index=r) for r in range(2)]
     feeds = plan_feeds(trainer_devices=devices, engine_devices=[[d] for d in devices])
     urls = [launcher.url for launcher, _ in servers]
-    # One round each: the tier's time goes to the servers; the TP=2 module runs two.
-    transports = (TransportKind.SHARD_DIRECT, TransportKind.P2P)
-    reports = routed_rounds(
-        urls, checkpoint=reference_checkpoints / "target", feeds=feeds, num_rounds=1, transports=transports
-    )
-    assert [r.transport for r in reports] == ["shard_direct", "p2p"]
-    for report in reports:
-        assert [e.verification for e in report.engines] == ["engine-exact (sha256)"] * 2, report.summary()
+    # One round: the tier's time goes to the servers.
+    checkpoint = reference_checkpoints / "target"
+    (report,) = routed_rounds(urls, checkpoint=checkpoint, feeds=feeds, num_rounds=1, transports=(TransportKind.P2P,))
+    assert report.transport == "p2p"
+    assert [e.verification for e in report.engines] == ["engine-exact (sha256)"] * 2, report.summary()
 
 
 def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_resumed(servers, source, checkpoint):
