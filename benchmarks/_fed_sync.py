@@ -39,7 +39,16 @@ from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.transport.base import TransportKind
 from miles_sync.wire.protocol import PauseMode
 
-__all__ = ["FED_MODEL", "bench_controller", "bench_fed", "print_fed_table", "received_bytes", "sync_once"]
+__all__ = [
+    "FED_MODEL",
+    "bench_controller",
+    "bench_fed",
+    "checkpoint_bytes",
+    "print_fed_table",
+    "received_bytes",
+    "section_rows",
+    "sync_once",
+]
 
 MIB = 2**20
 HOST = "127.0.0.1"
@@ -72,7 +81,7 @@ def bench_fed(
 ) -> dict:
     """Every FedCase on a connected Ray cluster, one placed fleet at a time; the JSON section `fed`."""
     model_dir = checkpoint_dir(MODELS[model], cache)
-    model_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
+    model_bytes = checkpoint_bytes(model_dir)
     per_case = [
         bench_case(
             case,
@@ -85,10 +94,19 @@ def bench_fed(
         )
         for case in FED_CASES
     ]
-    section = {"model": model, "model_bytes": model_bytes, "repeats": repeats}
-    return section | {
+    return {"model": model, "model_bytes": model_bytes, "repeats": repeats} | section_rows(per_case, repeats)
+
+
+def checkpoint_bytes(model_dir: Path) -> int:
+    """The bytes of a checkpoint's tensors (what a sync moves of it, the denominator of the byte ratios)."""
+    return sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
+
+
+def section_rows(per_case: Sequence[tuple[list[dict], list[list[dict]]]], repeats: int) -> dict:
+    """A section's `cases` (every case's median rows) and `repetitions` (per round, every case's rows of that
+    round: what a figure's spread is taken over) from each case's (rows, rows per round)."""
+    return {
         "cases": [row for rows, _ in per_case for row in rows],
-        # per round, every case's rows of that round (what a figure's spread is taken over)
         "repetitions": [{"cases": [row for _, reps in per_case for row in reps[i]]} for i in range(repeats)],
     }
 

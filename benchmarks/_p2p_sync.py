@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from _fed_sync import CALL_TIMEOUT_S, bench_controller, sync_once
+from _fed_sync import CALL_TIMEOUT_S, bench_controller, checkpoint_bytes, section_rows, sync_once
 from _procstat import machine_busy_seconds
 from _repeat import median_of
 from _sync_models import MODELS, checkpoint_dir
 
 from miles_sync.config import TrainerConfig
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
-from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.transport.base import TransportKind, transport_spec
 
 __all__ = ["P2P_MODEL", "bench_p2p", "p2p_topologies", "print_p2p_table"]
@@ -104,7 +103,7 @@ def engine_rank_pids(url: str) -> list[int]:
 def bench_p2p(*, cache: Path, log_dir: Path, repeats: int, bucket_bytes: int, syncs: int = 1) -> dict:
     """Every P2PCase on a connected Ray cluster, one fleet at a time; the JSON section `p2p`."""
     model_dir = checkpoint_dir(MODELS[P2P_MODEL], cache)
-    model_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
+    model_bytes = checkpoint_bytes(model_dir)
     per_case = [
         bench_case(
             case,
@@ -117,13 +116,7 @@ def bench_p2p(*, cache: Path, log_dir: Path, repeats: int, bucket_bytes: int, sy
         )
         for case in P2P_CASES
     ]
-    return {
-        "model": P2P_MODEL,
-        "model_bytes": model_bytes,
-        "repeats": repeats,
-        "cases": [row for rows, _ in per_case for row in rows],
-        "repetitions": [{"cases": [row for _, reps in per_case for row in reps[i]]} for i in range(repeats)],
-    }
+    return {"model": P2P_MODEL, "model_bytes": model_bytes, "repeats": repeats} | section_rows(per_case, repeats)
 
 
 def bench_case(
