@@ -245,11 +245,13 @@ class StageSource(WeightSource):
     """The WeightSource over the trainer ranks of one pipeline stage: every call goes to all of them (the
     export's collectives pair up within the stage), and the stage's source rank's answer is the result."""
 
-    can_stage = True
     can_predict = True
 
     def __init__(self, *, stage: int, trainers: Sequence[Any], source_index: int, calls: _RankCalls) -> None:
         self.index = stage  # its pipeline stage
+        # A transport that spreads its feeds (p2p) routes every rank's own shards at send time and packs nothing
+        # ahead, so a later stage waits for its turn instead (miles_sync.sync.pipeline).
+        self.can_stage = not transport_spec(calls.settings.transport).spreads_feeds
         self._trainers = tuple(trainers)
         self._source_index = source_index
         self._calls = calls

@@ -500,13 +500,10 @@ class MilesSyncConfig:
                 f"sync.draft_canary={self.sync.draft_canary.value} measures a draft's accept length; "
                 "engines.draft_kind is none"
             )
-        if transport_spec(self.sync.transport).spreads_feeds and (
-            self.sync.conversion is not ConversionMode.RAW or self.trainer.pp > 1
-        ):
+        if transport_spec(self.sync.transport).spreads_feeds and self.sync.conversion is not ConversionMode.RAW:
             problems.append(
                 f"sync.transport={self.sync.transport.value} sends each trainer rank's own shards: it needs "
-                f"sync.conversion=raw and trainer.pp=1 (got {self.sync.conversion.value}, pp={self.trainer.pp}); "
-                "use distributed otherwise"
+                f"sync.conversion=raw (got {self.sync.conversion.value}); use distributed otherwise"
             )
         if self.engines.join_at_round is not None:
             if self.engines.join_at_round > self.num_rounds:

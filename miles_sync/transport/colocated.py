@@ -277,7 +277,9 @@ _FAN_OUT_GENERATIONS = itertools.count()
 
 
 def _open_gloo(members: Sequence[int], *, source_rank: int, timeout_s: float) -> Collectives | None:
-    """Collective over the trainer ranks (every rank calls it, members or not): None off the group."""
+    """Collective over the trainer ranks that may be members (every trainer rank, or every rank of one pipeline
+    stage for a stage's routed send: each calls it, member or not, the same number of times): None off the group.
+    The store prefix names the members, so two stages' groups opened at the same generation never meet."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
@@ -287,7 +289,8 @@ def _open_gloo(members: Sequence[int], *, source_rank: int, timeout_s: float) ->
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_s)
     options._devices = [gloo_device()]
-    store = dist.PrefixStore(f"miles_sync/fan_out/{generation}/", _get_default_store())
+    ranks = "-".join(str(r) for r in members)
+    store = dist.PrefixStore(f"miles_sync/fan_out/{generation}/{ranks}/", _get_default_store())
     rank = list(members).index(dist.get_rank())
     group = dist.ProcessGroupGloo(store, rank, len(members), options)
     return _GlooGroup(group, rank=rank, root=list(members).index(source_rank), size=len(members), timeout_s=timeout_s)

@@ -86,6 +86,9 @@ class FeedRole:
     rank: int
     source_rank: int
     every_rank: bool = False
+    # The trainer ranks `every_rank` means: one pipeline stage's (a routed send runs stage by stage, each stage's
+    # ranks among themselves: miles_sync.sync.pipeline); empty: every trainer rank of the plan.
+    stage_ranks: tuple[int, ...] = ()
 
     @classmethod
     def single_source(cls, *, tp_sizes: Sequence[int]) -> FeedRole:
@@ -97,7 +100,7 @@ class FeedRole:
         """The ranks of the fan-out group: the source and every feeding rank (every rank with `every_rank`),
         ascending."""
         if self.every_rank:
-            return tuple(range(self.plan.num_trainers))
+            return self.stage_ranks or tuple(range(self.plan.num_trainers))
         return tuple(sorted({self.source_rank, *self.plan.feeding_ranks}))
 
     @property
@@ -139,22 +142,24 @@ def plan_feeds(*, trainer_devices: Sequence[Device], engine_devices: Sequence[Se
     return FeedPlan(num_trainers=len(trainer_devices), engines=tuple(engines))
 
 
-def plan_spread_feeds(*, num_trainers: int, tp_sizes: Sequence[int]) -> FeedPlan:
+def plan_spread_feeds(*, num_trainers: int, tp_sizes: Sequence[int], ranks: Sequence[int] | None = None) -> FeedPlan:
     """Which trainer rank builds and sends each engine rank's parameters when no device ties them: engine ranks in
-    order, round robin over the trainer ranks (so trainer rank r feeds engine rank r where trainer TP equals
-    engine TP, and replicas spread over the ranks); each engine's request is posted by its rank 0's feeder. Pure.
-    Raises ValueError for no trainers or no engines."""
-    raise_if(
-        [
-            *(["no trainer ranks"] if num_trainers < 1 else []),
-            *(["no engines"] if not tp_sizes else []),
-            *(f"engine {j} has {tp} TP ranks" for j, tp in enumerate(tp_sizes) if tp < 1),
-        ],
-        what="cannot spread feeds",
-    )
+    order, round robin over the trainer ranks `ranks` (default: all `num_trainers`; one pipeline stage's ranks where
+    each stage feeds the engines its own layers), so the i-th of them feeds engine rank i where their TP equals the
+    engine's, and replicas spread over them; each engine's request is posted by its rank 0's feeder. Pure. Raises
+    ValueError for no trainers, ranks outside the trainer group, or no engines."""
+    ranks = tuple(range(num_trainers)) if ranks is None else tuple(ranks)
+    problems = [f"engine {j} has {tp} TP ranks" for j, tp in enumerate(tp_sizes) if tp < 1]
+    if not tp_sizes:
+        problems.append("no engines")
+    if not ranks:
+        problems.append("no trainer ranks")
+    elif len(set(ranks)) != len(ranks) or not all(0 <= r < num_trainers for r in ranks):
+        problems.append(f"ranks {list(ranks)} are not distinct ranks of a trainer group of {num_trainers}")
+    raise_if(problems, what="cannot spread feeds")
     engines, next_rank = [], 0
     for tp in tp_sizes:
-        feeders = tuple((next_rank + r) % num_trainers for r in range(tp))
+        feeders = tuple(ranks[(next_rank + r) % len(ranks)] for r in range(tp))
         next_rank += tp
         engines.append(EngineFeed(feeders=feeders, poster=feeders[0]))
     return FeedPlan(num_trainers=num_trainers, engines=tuple(engines))

@@ -12,13 +12,17 @@ routed fan-out of miles_sync.transport.shard_routed):
                 their checkers must answer)
     feeders:    per engine rank fed, a ticket (which parameters, from which feeder: no bytes); the channel thread
                 sends the parameters and then their SHA-256 digests over the engine's channel and reads the rank's
-                status
+                status (the digests hashed once, where the build hashed them for SHA-256 engine digests; else on
+                the channel thread)
     posters:    POST update_weights_from_tensor with load_format = the loader's import path, one ticket per rank
     feeders:    settle: wait for the channel thread; a failed transfer or a refused parameter fails the bucket on
                 every member (the outcomes are all-gathered as for every fan-out)
 
 Channels: one update group per engine, of the trainer ranks that feed it and then the engine's TP ranks, from a TCP
-store the source hosts on its node's address (broadcast to the members at open). A trainer rank joins at its first
+store the source hosts on its node's address (broadcast to the members at open). With pipeline stages every stage
+is a routed send of its own (its ranks plan, exchange and feed every engine rank its own layers, stage after stage:
+miles_sync.sync.pipeline) over channels of its own: a ticket's `slot` names the stage's source rank, and an engine
+rank keeps one channel per slot. A trainer rank joins at its first
 send while the engine ranks join from the first ticket, and reuses the channel until the transport closes; after a
 send in which any rank's channel failed, every rank drops every channel and the next send joins a new generation
 (the loader drops a channel it no longer sees named).
@@ -98,8 +102,10 @@ class Channels:
         store: object | None,
         timeout_s: float,
         backend: str = "gloo",
+        slot: int = 0,
     ):
         self._plan = plan
+        self._slot = slot  # the stage's export source rank: the engine ranks keep one channel per slot
         self._backend = backend  # nccl where the builds live on a GPU (untested here: no GPU), gloo on CPU
         self._rank = rank
         self._address = address
@@ -125,6 +131,7 @@ class Channels:
             rank=rank,
             backend=self._backend,
             timeout_s=self._timeout_s,
+            slot=self._slot,
         )
 
     def engine_rank(self, engine: int, tp_rank: int) -> int:
@@ -248,10 +255,10 @@ class P2PDelivery:
         payloads: list[str | None] = []
         sends: dict[int, dict[int, list[torch.Tensor]]] = {}
         names: dict[int, dict[int, tuple[str, ...]]] = {}
+        digests: dict[int, dict[int, bytes | None]] = {}
         for j, tp_rank in feeds:
-            entries, buffer = local.get(
-                Build(layout=self._layout_of[j], tp_rank=tp_rank, feeder=self._role.rank), ((), None)
-            )
+            build = Build(layout=self._layout_of[j], tp_rank=tp_rank, feeder=self._role.rank)
+            entries, buffer = local.get(build, ((), None))
             if not entries:
                 payloads.append(None)
                 continue
@@ -267,8 +274,12 @@ class P2PDelivery:
             payloads.append(encode_inline_named_tensors([(TICKET_NAME, encode_ticket(ticket))]))
             sends.setdefault(j, {})[channels.engine_rank(j, tp_rank)] = [t for _, t in tensors]
             names.setdefault(j, {})[tp_rank] = tuple(n for n, _ in tensors)
+            # Hashed already where the engine digests are SHA-256 (verification on): sent as they are.
+            digests.setdefault(j, {})[channels.engine_rank(j, tp_rank)] = self._routed.sha256_of(
+                build, names[j][tp_rank]
+            )
         self._pending = [
-            self._pool.submit(self._send, channels, j, per_rank, names[j], contents.index)
+            self._pool.submit(self._send, channels, j, per_rank, names[j], digests[j], contents.index)
             for j, per_rank in sends.items()
         ]
         return payloads
@@ -326,13 +337,14 @@ class P2PDelivery:
         engine: int,
         per_rank: dict[int, list[torch.Tensor]],
         names: dict[int, tuple],
+        digests: Mapping[int, bytes | None],
         bucket: int,
     ) -> _Sent:
         if self._on_rank_bucket is not None:
             self._on_rank_bucket(bucket)
         try:
             group = channels.group(engine)
-            statuses = send_params(group, per_rank, timeout_s=self._timeout_s)
+            statuses = send_params(group, per_rank, timeout_s=self._timeout_s, digests=digests)
         except Exception as exc:
             raise TransportError(f"channel to engine {engine} failed: {type(exc).__name__}: {exc}") from None
         first = channels.engine_rank(engine, 0)
@@ -434,6 +446,7 @@ async def open_p2p_routed_rank(
             store=store,
             timeout_s=setup.fan_out_timeout_s,
             backend=backend,
+            slot=role.source_rank,
         )
         delivery.connect(channels)
         await rank._routed.plan(holdings)
@@ -444,8 +457,8 @@ async def open_p2p_routed_rank(
 
 
 async def open_p2p_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> object:
-    """The gathered form (a source of full HF tensors: bridge conversion, pipeline stages): not built; refused."""
+    """The gathered form (a source of full HF tensors: bridge conversion): not built; refused."""
     raise ValueError(
-        "the p2p transport sends each trainer rank's own shards: it needs raw conversion and one pipeline stage "
-        "(sync.conversion=raw, trainer.pp=1); use the distributed transport otherwise"
+        "the p2p transport sends each trainer rank's own shards: it needs raw conversion (sync.conversion=raw); "
+        "use the distributed transport otherwise"
     )

@@ -8,7 +8,8 @@ channel (an update group of the trainer ranks and this engine's TP ranks) and wh
 parameters arrive from which trainer rank. Per call the loader:
 
     joins the channel the first time a ticket names it (its own TCP rendezvous, with the ticket's timeout:
-    miles_sync.transport.group), and reuses it after;
+    miles_sync.transport.group), and reuses it after (one channel per slot: a trainer with pipeline stages feeds
+    each stage's layers over the stage's own channel);
     receives every parameter straight into the model's own tensor (`model.get_parameter(name)`, where it is
     contiguous, on the channel's device and of the ticket's shape and dtype; else into a buffer copied in after
     its check), every transfer posted at once, then from each source one tensor of digests (SHA-256 of each
@@ -84,7 +85,9 @@ class DirectModel(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class ChannelSpec:
-    """The update group a ticket's parameters travel over; `rank` is the receiving engine rank's own rank in it."""
+    """The update group a ticket's parameters travel over; `rank` is the receiving engine rank's own rank in it.
+    `slot`: which of the fleet's senders the channel serves (each pipeline stage feeds the engine its own layers
+    over a channel of its own: the stage's export source rank); an engine rank keeps one channel per slot."""
 
     group_name: str
     master_address: str
@@ -93,6 +96,7 @@ class ChannelSpec:
     rank: int
     backend: str = "gloo"
     timeout_s: float = 60.0
+    slot: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,16 +204,30 @@ class Status:
 
 
 def send_params(
-    group: UpdateGroup, per_rank: Mapping[int, Sequence[torch.Tensor]], *, timeout_s: float
+    group: UpdateGroup,
+    per_rank: Mapping[int, Sequence[torch.Tensor]],
+    *,
+    timeout_s: float,
+    digests: Mapping[int, bytes | None] | None = None,
 ) -> dict[int, Status]:
     """The sending side of one ticket: to each engine rank r (its group rank) the parameters `per_rank[r]` in its
-    ticket's order, then their digests, all posted at once; then every rank's status. Raises TimeoutError or
-    RuntimeError when a transfer fails (the group is unusable after)."""
-    sends = {r: [*tensors, digests_tensor(tensors, device=group.device)] for r, tensors in per_rank.items()}
+    ticket's order, then their digests (`digests[r]`, their SHA-256 concatenated, where the caller hashed them
+    already; else hashed here), all posted at once; then every rank's status. Raises TimeoutError or RuntimeError
+    when a transfer fails (the group is unusable after)."""
+    known = digests or {}
+    sends = {r: [*tensors, _digests_of(tensors, known.get(r), device=group.device)] for r, tensors in per_rank.items()}
     group.exchange(sends=sends, timeout_s=timeout_s)
     statuses = {r: Status.empty(group.device) for r in per_rank}
     group.exchange(recvs={r: [t] for r, t in statuses.items()}, timeout_s=timeout_s)
     return {r: Status.from_tensor(t) for r, t in statuses.items()}
+
+
+def _digests_of(tensors: Sequence[torch.Tensor], known: bytes | None, *, device: torch.device) -> torch.Tensor:
+    if known is None or not tensors:
+        return digests_tensor(tensors, device=device)
+    if len(known) != DIGEST_BYTES * len(tensors):
+        raise ValueError(f"{len(known)} digest bytes for {len(tensors)} parameters ({DIGEST_BYTES} each)")
+    return torch.frombuffer(bytearray(known), dtype=torch.uint8).to(device)
 
 
 # ---- the receiver ---------------------------------------------------------------------------------------------------
@@ -270,8 +288,9 @@ class Receiver:
         known = self.channels.get(spec.group_name)
         if known is not None and known[0] == spec and known[1].is_usable:
             return known[1]
-        for name in list(self.channels):  # an engine rank serves one fleet: a channel no longer named is done
-            self._drop(name)
+        for name, (known_spec, _) in list(self.channels.items()):
+            if known_spec.slot == spec.slot:  # one fleet per engine rank: a slot's channel no longer named is done
+                self._drop(name)
         group = create_update_group(
             master_address=spec.master_address,
             master_port=spec.master_port,

@@ -4,7 +4,8 @@ feeder only the slices that feeder does not hold; each feeder builds its engine 
 
 The plan (miles_sync.weights.shard_routes.plan_routed) is made once at open, on every rank alike: each rank's
 holdings (what its converter gives it, from one conversion pass) are all-gathered over the fan-out group, which
-here has every trainer rank as a member (`FeedRole.every_rank`). It is replayed every sync. Per scheduled bucket:
+here has every trainer rank as a member (`FeedRole.every_rank`; every rank of one pipeline stage where the stages
+send one after another, each its own layers: p2p). It is replayed every sync. Per scheduled bucket:
 
     source:  announce the bucket's index (no bytes: nobody gathers anything)
     every rank: send the slices other feeders need (point to point, all posted at once), receive its own
@@ -19,6 +20,7 @@ parameters only (the session refuses a selector that covers a draft runner, as f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,7 +32,13 @@ from miles_sync.transport.base import RankSetup, RoutedOutcome, RoutedRankTransp
 from miles_sync.transport.colocated import Collectives, FanOut, PostedPayload, ReceiveBuffer, open_posting_fan_out
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint
-from miles_sync.weights.checksum import TensorHash, sglang_digest, sglang_reported_name, tensor_checksum
+from miles_sync.weights.checksum import (
+    TensorHash,
+    raw_sha256_digest,
+    sglang_digest,
+    sglang_reported_name,
+    tensor_checksum,
+)
 from miles_sync.weights.shard_plan import DirectLayout, DirectParam, assemble_param, matrix_shape, plan_direct
 from miles_sync.weights.shard_routes import Build, Holding, LocalPiece, Route, RoutedSchedule, plan_routed
 from miles_sync.wire.bucket import BucketEntry, TensorMeta, bucket_layout, unpack_bucket
@@ -119,6 +127,7 @@ class RoutedDelivery:
         self._wants_checksums = False
         self._digests: dict[Build, dict[TensorHash, dict[str, str]]] = {}
         self._checksums: dict[Build, dict[str, str]] = {}
+        self._sha256: dict[tuple[Build, str], bytes] = {}  # full SHA-256 of each parameter built (SHA-256 engines)
         self._on_rank_bucket: Callable[[int], None] | None = None
 
     @property
@@ -164,6 +173,7 @@ class RoutedDelivery:
         self._wants_checksums = checksums
         self._digests = {}
         self._checksums = {}
+        self._sha256 = {}
 
     def digests(self) -> tuple[BuildDigests, ...]:
         """The digests of every parameter this rank built in the last send."""
@@ -307,9 +317,20 @@ class RoutedDelivery:
             tensor = assemble_param(
                 param, writes, out=buffer[e.start : e.end], weight_layout=weight_layout, before_layout=hf
             )
+            reported = sglang_reported_name(_TARGET_ROLE, param.name)
             for kind in self._hashes:
-                digests[kind][sglang_reported_name(_TARGET_ROLE, param.name)] = sglang_digest(tensor, kind)
+                if kind is TensorHash.SHA256:  # the full digest kept: p2p sends it with the bytes (`sha256_of`)
+                    full = self._sha256[(build, param.name)] = raw_sha256_digest(tensor)
+                    digests[kind][reported] = full.hex()[:16]  # sglang_tensor_hash, without hashing again
+                else:
+                    digests[kind][reported] = sglang_digest(tensor, kind)
         return entries, buffer
+
+    def sha256_of(self, build: Build, names: Sequence[str]) -> bytes | None:
+        """The SHA-256 digests of `names` as `build` built them in this send, concatenated in that order; None unless
+        every one was hashed (only when engine digests of the SHA-256 kind are wanted)."""
+        digests = [self._sha256.get((build, name)) for name in names]
+        return None if any(d is None for d in digests) else b"".join(d for d in digests if d is not None)
 
     def _hf_checksums(self, param: DirectParam, out: dict[str, str], matrix: torch.Tensor) -> None:
         """At TP=1 each piece of a parameter is a whole HF tensor: its checksum, as a gathered send reports it."""
@@ -440,7 +461,7 @@ def routed_delivery(
     )
     if setup.feeds is None:
         raise ValueError(f"a routed {transport} send needs {feeds} (which trainer rank feeds each engine rank)")
-    role = FeedRole(plan=setup.feeds.plan, rank=setup.feeds.rank, source_rank=setup.feeds.source_rank, every_rank=True)
+    role = dataclasses.replace(setup.feeds, every_rank=True)
     role.plan.check_engines(engines)
     delivery = RoutedDelivery(
         role=role,

@@ -32,6 +32,7 @@ __all__ = [
     "compare_checksums",
     "engine_digest",
     "raw_sha256",
+    "raw_sha256_digest",
     "role_checksums",
     "sglang_engine_checksum",
     "sglang_fused_tensor",
@@ -59,8 +60,14 @@ def tensor_checksum(t: torch.Tensor) -> str:
 
 def raw_sha256(t: torch.Tensor) -> str:
     """Plain SHA-256 hex of the raw bytes alone (no dtype or shape header): SGLang's LoRA `expected_checksums`."""
+    return raw_sha256_digest(t).hex()
+
+
+def raw_sha256_digest(t: torch.Tensor) -> bytes:
+    """SHA-256 of the raw bytes alone, as 32 bytes: what `raw_sha256` and `sglang_tensor_hash` print in hex (the p2p
+    transport sends it beside each parameter, so a parameter hashed for its engine digest is not hashed twice)."""
     host = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
-    return hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    return hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).digest()
 
 
 def logical_checksum(t: torch.Tensor, *, layout: WeightLayout | str) -> str:
@@ -219,8 +226,7 @@ def sglang_reported_name(role_name: str, name: str) -> str:
 def sglang_tensor_hash(t: torch.Tensor) -> str:
     """SGLang's CPU `tensor_hash` as the checker prints it: the first 8 bytes of SHA-256 over the raw bytes (dtype
     and shape are not hashed), as 16 lowercase hex digits (big-endian, so the hexdigest's first 16 characters)."""
-    host = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
-    return hashlib.sha256(host.reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+    return raw_sha256_digest(t).hex()[:16]
 
 
 class TensorHash(WireEnum):

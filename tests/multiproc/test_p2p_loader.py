@@ -1,13 +1,15 @@
 """The p2p transport's engine-side loader (miles_sync.transport.p2p_loader) over a real gloo channel: two trainer
 ranks send their parameters point to point into a model's own tensors; the loader checks each digest, answers each
 source with a status, refuses a corrupted or unknown parameter by its index, survives a source that never sends
-(its channel dropped within the ticket's timeout, nothing raised) and joins again from the next ticket.
+(its channel dropped within the ticket's timeout, nothing raised) and joins again from the next ticket; keeps one
+channel per slot (pipeline stages feed an engine rank over channels of their own).
 
 Every rank is a thread of this process with its own gloo process group (the channel is a real torch.distributed
 group on loopback with its own TCP store, as on a cluster)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -192,6 +194,39 @@ def test_a_refused_parameter_is_named_by_its_index_and_the_channel_stays_usable(
     assert loading.result(timeout=TIMEOUT_S) == [Status(checked=1)] and receiver.last_error is None
     assert torch.equal(model.qkv.weight.data, second)
     receiver.close()
+
+
+def test_an_engine_rank_keeps_one_channel_per_slot_and_a_slots_new_channel_replaces_its_old_one():
+    """Two pipeline stages feed one engine rank over channels of their own (slot: each stage's source rank), turn
+    about, round after round, without joining again; a new channel of slot 0 (a re-opened fleet) replaces slot 0's
+    old one and leaves slot 2's."""
+    stages = [Channel(), Channel()]
+    for k, ch in enumerate(stages):
+        ch.spec = dataclasses.replace(ch.spec, slot=2 * k)
+    replacement = Channel()
+    replacement.spec = dataclasses.replace(replacement.spec, slot=0)
+    model, receiver = Model(), Receiver()
+    try:
+        for round_index in range(2):
+            for k, ch in enumerate(stages):
+                value = sent_values(10 * round_index + k)["norm"]
+                joined = ch.join_trainers() if round_index == 0 else []
+                loading = ch.pool.submit(receiver.load, model, ticket_for(ch.spec, {"norm": (0, value)}))
+                if joined:
+                    ch.trainers = [f.result(timeout=TIMEOUT_S) for f in joined]
+                assert ch.send(0, [value]) == Status(checked=1)
+                assert loading.result(timeout=TIMEOUT_S) == [Status(checked=1)]
+                assert torch.equal(model.norm.data, value)
+        assert set(receiver.channels) == {ch.spec.group_name for ch in stages}
+        joined = replacement.join_trainers()
+        loading = replacement.pool.submit(receiver.load, model, ticket_for(replacement.spec, {}))
+        replacement.trainers = [f.result(timeout=TIMEOUT_S) for f in joined]
+        assert loading.result(timeout=TIMEOUT_S) == []
+        assert set(receiver.channels) == {stages[1].spec.group_name, replacement.spec.group_name}
+    finally:
+        receiver.close()
+        for ch in (*stages, replacement):
+            ch.close()
 
 
 def test_a_source_that_never_sends_releases_the_loader_within_the_timeout_and_it_joins_again():

@@ -5,8 +5,9 @@ each fleet with 2 reference engines of its model (frozen MTP draft, AITER layout
 - the RL step runs on all four ranks (megatron-core's pipeline schedule over gloo) and every rank reports the
   same loss;
 - each stage's source rank exports only its own layers, through an update group of its own (distributed) or its
-  own posts (colocated, shard_direct); every sync commits, verified on both engines, and the engines serve the new
-  version;
+  own posts (colocated, shard_direct); with p2p every rank of each stage sends its own shards, with no gather, over
+  the stage's own channels to the engines' custom weight loader; every sync commits, verified on both engines, and
+  the engines serve the new version;
 - a stage whose source rank dies mid-sync fails the sync within the timeouts, nothing is committed, and after the
   trainer group is restarted the next sync commits, verified;
 - the MoE group trains with its experts split over two EP ranks, and its source rank sends every expert (its own
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from ray_fleet import RAY_TIMEOUT_S, current_urls, target_checksum
+from ray_fleet import RAY_TIMEOUT_S, current_urls, refuse_gather, target_checksum
 
 from actors.controller import create_controller
 from actors.rollout import EngineGroup, create_engines
@@ -137,7 +138,9 @@ def test_the_rl_step_runs_on_every_rank_of_the_pipeline(fleet):
     assert [info.pp_rank for info in fleet.trainers.ranks] == [0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED, TransportKind.SHARD_DIRECT])
+@pytest.mark.parametrize(
+    "transport", [TransportKind.DISTRIBUTED, TransportKind.COLOCATED, TransportKind.SHARD_DIRECT, TransportKind.P2P]
+)
 def test_each_stage_sends_its_own_layers_and_the_sync_verifies(fleet, transport):
     fleet.trainers.train_step(BATCH, timeout_s=RAY_TIMEOUT_S)
     names = [
@@ -146,9 +149,32 @@ def test_each_stage_sends_its_own_layers_and_the_sync_verifies(fleet, transport)
     ]
     assert names[0] and names[1] and not set(names[0]) & set(names[1])
     assert any(".embed_tokens." in n for n in names[0]) and any("lm_head" in n for n in names[1])
-    with controller_for(fleet, transport) as controller:
-        report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
-        status = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S)
+    if transport is TransportKind.P2P:
+        refuse_gather(fleet.trainers.actors)
+    try:
+        with controller_for(fleet, transport) as controller:
+            report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+            status = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S)
+            posted = ray.get(
+                [
+                    a.__ray_call__.remote(lambda self: attached_source().posted_payloads())
+                    for a in fleet.trainers.actors
+                ],
+                timeout=60,
+            )
+    finally:
+        ray.get(
+            [
+                a.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners())
+                for a in fleet.trainers.actors
+            ],
+            timeout=60,
+        )
+    if transport is TransportKind.P2P:
+        # Every stage feeds both engines its own layers from its own ranks (spread feeds within the stage: ranks
+        # 0, 1 for stage 0 and 2, 3 for stage 1), each rank sending its own shards, nothing gathered.
+        fed = sorted({(p.engine, p.feeder) for rank_posted in posted for p in rank_posted})
+        assert fed == [(0, 0), (0, 2), (1, 1), (1, 3)], fed
     assert_verified(report, num_tensors=len(names[0]) + len(names[1]))
     assert set(report.checksums) == set(names[0]) | set(names[1])
     assert [b.index for b in status.progress.buckets] == list(range(report.num_buckets))

@@ -1,5 +1,6 @@
 """The colocated feed assignment is pure: each engine TP rank fed by the trainer rank on its own device, each engine
-posted by its TP rank 0's feeder, every unfed engine rank refused by name; derived from a placement plan. The
+posted by its TP rank 0's feeder, every unfed engine rank refused by name; derived from a placement plan. Spread
+feeds (p2p: no device ties a feeder) go round robin over the trainer ranks, or over one pipeline stage's ranks. The
 records the fan-out exchanges survive a pickle round trip (torch's object collectives pickle them)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from miles_sync.transport.colocated import (
     RankOutcomes,
     SendEnd,
 )
-from miles_sync.transport.feeds import Device, EngineFeed, FeedPlan, FeedRole, plan_feeds
+from miles_sync.transport.feeds import Device, EngineFeed, FeedPlan, FeedRole, plan_feeds, plan_spread_feeds
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.transport.shard_direct import DirectContents, RankContents
 from miles_sync.weights.engine_layout import TPShape
@@ -115,6 +116,51 @@ def test_plan_is_checked_against_the_engines_it_is_used_with():
         plan.check_engines([EngineEndpoint(url="http://a", tp_size=2)])
     assert "covers 2 engine(s), the fleet has 1" in str(refused.value)
     assert "engine 0 (http://a) runs 2 TP rank(s), the plan feeds 1" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "num_trainers, tp_sizes, ranks, feeders",
+    [
+        (2, [2], None, [(0, 1)]),  # trainer TP equals engine TP: rank r feeds engine rank r
+        (2, [1, 1], None, [(0,), (1,)]),
+        (2, [2, 1], None, [(0, 1), (0,)]),  # replicas wrap around
+        (1, [2], None, [(0, 0)]),
+        (4, [1, 1], (0, 1), [(0,), (1,)]),  # pipeline stage 0 of TP=2 x PP=2
+        (4, [1, 1], (2, 3), [(2,), (3,)]),  # stage 1: its own ranks feed every engine its own layers
+        (4, [2, 1], (2, 3), [(2, 3), (2,)]),
+    ],
+)
+def test_spread_feeds_go_round_robin_over_the_ranks_given(num_trainers, tp_sizes, ranks, feeders):
+    plan = plan_spread_feeds(num_trainers=num_trainers, tp_sizes=tp_sizes, ranks=ranks)
+    assert [e.feeders for e in plan.engines] == feeders
+    assert [e.poster for e in plan.engines] == [f[0] for f in feeders]
+    assert plan.num_trainers == num_trainers
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(num_trainers=0, tp_sizes=[1]), "no trainer ranks"),
+        (dict(num_trainers=2, tp_sizes=[1], ranks=()), "no trainer ranks"),
+        (
+            dict(num_trainers=2, tp_sizes=[1], ranks=(1, 2)),
+            "ranks [1, 2] are not distinct ranks of a trainer group of 2",
+        ),
+        (dict(num_trainers=2, tp_sizes=[1], ranks=(1, 1)), "ranks [1, 1] are not distinct"),
+        (dict(num_trainers=2, tp_sizes=[]), "no engines"),
+        (dict(num_trainers=2, tp_sizes=[0]), "engine 0 has 0 TP ranks"),
+    ],
+)
+def test_spread_feeds_refuse_bad_input_by_name(kwargs, named):
+    with pytest.raises(ValueError, match="cannot spread feeds") as raised:
+        plan_spread_feeds(**kwargs)
+    assert named in str(raised.value)
+
+
+def test_a_stage_role_counts_only_its_stages_ranks_as_members():
+    plan = plan_spread_feeds(num_trainers=4, tp_sizes=[1, 1], ranks=(2, 3))
+    assert FeedRole(plan=plan, rank=2, source_rank=2, every_rank=True, stage_ranks=(2, 3)).members == (2, 3)
+    assert FeedRole(plan=plan, rank=2, source_rank=2, every_rank=True).members == (0, 1, 2, 3)
 
 
 @pytest.mark.parametrize(
