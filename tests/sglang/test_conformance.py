@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from reference_server import ServerProcess, checkpoint_tensors, joined_group, reference_server
-from sglang_server import sglang_server
+from sglang_server import enter_together, sglang_server
 
 from miles_sync.wire.dtypes import dtype_name
 from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, encode_named_tensors
@@ -344,10 +344,12 @@ def pair(reference_checkpoints, sglang_python, tmp_path_factory) -> Iterator[Pai
     log_dir = tmp_path_factory.mktemp("conformance")
     # The tensors outlive every request: payloads point at their shared memory.
     tensors = checkpoint_tensors(model)
-    with (
-        sglang_server(model=model, python=sglang_python, log_dir=log_dir) as launcher,
-        reference_server(model=model, log_dir=log_dir, finalize_policy="sglang", checksum_names="engine") as ref,
-    ):
+    with contextlib.ExitStack() as stack:
+        launcher, ref = enter_together(
+            stack,
+            sglang_server(model=model, python=sglang_python, log_dir=log_dir),
+            reference_server(model=model, log_dir=log_dir, finalize_policy="sglang", checksum_names="engine"),
+        )
         sglang = ServerProcess(url=launcher.url, process=None, log_path=log_dir / "none", api_key=None)
         yield Pair(sglang=sglang, reference=ref, tensors=tensors)
 

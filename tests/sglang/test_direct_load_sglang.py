@@ -28,6 +28,7 @@ miles_sync.transport.p2p_loader; the project installs miles_sync into SGLang's v
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +37,7 @@ import pytest
 import torch
 from p2p_session import p2p_update, post
 from reference_server import reference_server
-from sglang_server import sglang_server
+from sglang_server import enter_together, sglang_server
 
 from miles_sync.transport.p2p_loader import LOADER_PATH, TICKET_NAME, Refusal
 from miles_sync.weights.engine_layout import rank_engine_digests, rank_engine_tensors
@@ -58,16 +59,18 @@ def servers(request, reference_checkpoints, sglang_python, tmp_path_factory):
     names = {"checksum_names": "engine", "extra_args": hook}
     if tp_size > 1:
         names = {"extra_args": [*hook, "--tp-size", str(tp_size)]}
-    with (
-        sglang_server(
-            model=target,
-            python=sglang_python,
-            log_dir=log_dir,
-            tp_size=tp_size,
-            custom_weight_loaders=(LOADER_PATH,),
-        ) as real,
-        reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names) as ref,
-    ):
+    with contextlib.ExitStack() as stack:
+        real, ref = enter_together(
+            stack,
+            sglang_server(
+                model=target,
+                python=sglang_python,
+                log_dir=log_dir,
+                tp_size=tp_size,
+                custom_weight_loaders=(LOADER_PATH,),
+            ),
+            reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names),
+        )
         yield {"tp_size": tp_size, "sglang": real, "reference": ref}
 
 

@@ -20,7 +20,7 @@ import pytest
 from recording_proxy import recording_proxy
 from routed_rounds import routed_rounds
 from sender_host import SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
-from sglang_server import sglang_server
+from sglang_server import enter_together, sglang_server
 from silent_member import silent_member
 
 from miles_sync.engine.client import EngineClient
@@ -68,13 +68,14 @@ def servers(reference_checkpoints, sglang_python, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("sglang")
     model = reference_checkpoints / "target"
     with contextlib.ExitStack() as stack:
-        pairs = []
-        for _ in range(2):
-            launcher = stack.enter_context(
+        launchers = enter_together(
+            stack,
+            *(
                 sglang_server(model=model, python=sglang_python, log_dir=log_dir, custom_weight_loaders=(LOADER_PATH,))
-            )
-            pairs.append((launcher, stack.enter_context(recording_proxy(launcher.url))))
-        yield pairs
+                for _ in range(2)
+            ),
+        )
+        yield [(launcher, stack.enter_context(recording_proxy(launcher.url))) for launcher in launchers]
 
 
 @pytest.fixture(autouse=True)
