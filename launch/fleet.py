@@ -139,7 +139,7 @@ def start_job_actors(
             if config.sync.mode is SyncMode.FULL
             else "the LoRA adapter per sync (sync.mode=lora; the base is never sent)"
         )
-        stages = f" from {len(sources)} pipeline stages (one update group each)" if len(sources) > 1 else ""
+        stages = f" from {len(sources)} pipeline stages, sent one after another" if len(sources) > 1 else ""
         log(f"fleet ready: {len(urls)} engine(s), {len(trainers.actors)} trainer rank(s), {per_sync}{stages}")
         nodes = node_record(trainers, engines, urls=urls)
         log("nodes: " + ", ".join(f"trainer rank {r['rank']} on {r['node']}" for r in nodes["trainer_ranks"]))
