@@ -1,10 +1,10 @@
 """The main job end to end through its real entry point (`python -m launch.run`): the default run learns its task
 (reward up by at least 0.25) with every sync verified and trainer/engine log-probs within 1e-4 every round; the
 control run (`sync.enabled=false`) trains the same but its reward stays flat and its log-prob gap grows at least
-100-fold; a trained MTP layer syncs under selector `all`; runs with pipeline stages (one update group per stage) and
-with an expert-parallel Qwen3-MoE trainer verify every round; the frozen-draft-bug demo collapses the accept
-length; invalid config values fail before any actor starts. `ray job submit` to a running cluster is covered by
-tests/ray/test_placement_cluster.py (three simulated nodes)."""
+100-fold; a trained MTP layer syncs under selector `all`; runs with pipeline stages (p2p into a TP=2 engine, each
+stage feeding its own layers) and with an expert-parallel Qwen3-MoE trainer verify every round; the
+frozen-draft-bug demo collapses the accept length; invalid config values fail before any actor starts. `ray job
+submit` to a running cluster is covered by tests/ray/test_placement_cluster.py (three simulated nodes)."""
 
 from __future__ import annotations
 
@@ -133,8 +133,13 @@ def test_frozen_draft_bug_demo_collapses_accept_length(tmp_path):
 
 @pytest.mark.parametrize(
     "layout",
-    [("trainer.pp=2", "trainer.tp=1"), ("model.arch=qwen3_moe", "trainer.ep=2")],
-    ids=["pipeline_stages", "expert_parallel_moe"],
+    [
+        # The pipeline through p2p into one TP=2 engine (each stage's ranks feed its own layers; the distributed
+        # broadcast per stage, and p2p into TP=1 engines, run in tests/ray/test_pipeline_fleet.py).
+        ("trainer.pp=2", "trainer.tp=1", "sync.transport=p2p", "engines.tp=2", "engines.count=1"),
+        ("model.arch=qwen3_moe", "trainer.ep=2"),
+    ],
+    ids=["pipeline_stages_p2p_engine_tp2", "expert_parallel_moe"],
 )
 def test_pipeline_and_expert_parallel_runs_verify_every_round(tmp_path, layout):
     done = run_main(tmp_path, *layout, "num_rounds=2", *SMALL)
