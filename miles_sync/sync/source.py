@@ -223,7 +223,7 @@ class ModelSource:
         elif feeds is not None:  # what the plan means is the transport's to decide (miles_sync.transport)
             # Every rank opens at once, before any send: the one moment a collective on the default group cannot
             # interleave with the export's.
-            source_rank = find_source_rank(is_source=self._is_source)
+            _, source_rank = find_source_rank(is_source=self._is_source)
             role = FeedRole(plan=feeds, rank=self._info.rank, source_rank=source_rank)
         sender: Sender | RoutedSender
         if role is not None and self.routes_own_shards(settings.transport):
@@ -256,18 +256,13 @@ class ModelSource:
     def _stage_ranks(self) -> tuple[tuple[int, ...], int]:
         """The global ranks of this rank's pipeline stage, ascending, and its export source's: gathered over the
         stage's own tensor-and-data-parallel group (every rank of the stage at once; only this stage opens now)."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (self._info.rank, self._is_source), group=group)
-        sources = [rank for rank, is_source in gathered if is_source]
-        if len(sources) != 1:
-            raise ValueError(
-                f"pipeline stage {self._info.pp_rank}: ranks {sources} are export sources; a stage needs exactly one"
-            )
-        return tuple(sorted(rank for rank, _ in gathered)), sources[0]
+        try:
+            return find_source_rank(is_source=self._is_source, group=group)
+        except ValueError as exc:
+            raise ValueError(f"pipeline stage {self._info.pp_rank}: {exc}") from None
 
     def send(
         self,

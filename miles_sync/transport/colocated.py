@@ -296,17 +296,18 @@ def _open_gloo(members: Sequence[int], *, source_rank: int, timeout_s: float) ->
     return _GlooGroup(group, rank=rank, root=list(members).index(source_rank), size=len(members), timeout_s=timeout_s)
 
 
-def find_source_rank(*, is_source: bool) -> int:
-    """The export source's global rank, agreed by every trainer rank (a collective on the default group, for
-    `open` only; the default group's timeout bounds it). Raises ValueError unless exactly one rank is the source."""
+def find_source_rank(*, is_source: bool, group: Any = None) -> tuple[tuple[int, ...], int]:
+    """The global ranks of `group` (the trainer's default group when None; one pipeline stage's group for a stage's
+    routed send), ascending, and its export source's rank, agreed by every rank of it (a collective, for `open`
+    only; the group's timeout bounds it). Raises ValueError unless exactly one rank of it is the source."""
     import torch.distributed as dist
 
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(is_source))
-    sources = [rank for rank, flag in enumerate(flags) if flag]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (dist.get_rank(), bool(is_source)), group=group)
+    sources = [rank for rank, flag in gathered if flag]
     if len(sources) != 1:
-        raise ValueError(f"trainer ranks {sources} are export sources; the colocated fan-out needs exactly one")
-    return sources[0]
+        raise ValueError(f"trainer ranks {sources} are export sources; a fan-out needs exactly one")
+    return tuple(sorted(rank for rank, _ in gathered)), sources[0]
 
 
 # ---- one rank's side of the fan-out -------------------------------------------------------------------------------
