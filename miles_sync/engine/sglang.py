@@ -53,7 +53,10 @@ SGLANG_DRAFT_KINDS: dict[str, frozenset[DraftKind]] = {
 }
 SGLANG_LAUNCH_MODULE = "miles_sync.engine.sglang_launch"  # the entry point that hands SGLang its keys
 # SGLang 0.5.23 on a CPU without sgl-kernel's CPU build (launch/install_sglang.sh): every flag here was needed to
-# start a dense Qwen3 server on this kind of machine, or keeps its idle cost down (no warm-up request).
+# start a dense Qwen3 server on this kind of machine, or keeps its idle cost down (no warm-up request; and
+# `--sleep-on-idle`: an idle scheduler otherwise polls its sockets without blocking, measured at 55-70% of a core per
+# idle TP=1 server on this 2-core machine, which starved trainer ranks sharing the cores: their set-up took 68 s, and
+# past 300 s on a slower host. Asleep it waits on the same sockets, so a request wakes it at once).
 CPU_FLAGS = (
     "--device",
     "cpu",
@@ -74,6 +77,7 @@ CPU_FLAGS = (
     "0.1",
     "--max-total-tokens",
     "4096",
+    "--sleep-on-idle",
 )
 # Flags extra_args may not give besides those built here: the keys (they travel in the environment) and SGLang's
 # other spellings of built flags.
