@@ -45,7 +45,9 @@ median is the series' figure (default 3 below 256 MiB, 1 above). Every figure is
 from its two cases of the same repetition) and reported as the median over the repetitions. The layout sections
 (parallel pair, fed cases, FP8/LoRA/draft guard) and the per-model pairs (TP comparison, engine-digest pair), whose
 ratios sit near 1.0 or are small shares, take at least 5 repetitions whatever `--repetitions` says; the TP comparison
-runs one discarded pass first (its TP=2 engine starts there). `spread` in the JSON
+runs one discarded pass first (its TP=2 engine starts there) and its series take at least 3 measured syncs whatever
+the model's size, the fed cases 5 syncs in each of at least 9 repetitions (a sync of either takes a fraction of a
+second). `spread` in the JSON
 keeps each headline figure's median, min, max and every repetition's value, the printout says `median [min-max]`,
 a figure whose max/min exceeds 1.2 is listed in `unstable`, and `caveats` says why a figure cannot be read as what it
 names (unstable; the CPU bound saturated at 1.0 because the model is too small for the cores to bound its send; the
@@ -160,6 +162,19 @@ DEFAULT_BUCKET = 256 * MIB
 ENGINES = 2  # per model; the engine sweep goes to 4
 ENGINE_TP = 2  # the TP case's engine, measured against a TP=1 engine
 SMALL_SERIES_SYNCS = 3  # measured syncs per series below 256 MiB (series_syncs)
+# The TP comparison's series take the median of at least this many syncs whatever the model's size: its headline
+# ratio (tp2_vs_tp1_total_s) is one sync of each engine against the other, and at one sync per series (the sweep
+# model is above 256 MiB) the TP=1 engine's distributed sync alone ranged 0.52-1.23 s within one run, which moved
+# the median of 5 repetitions 1.40 / 1.12 between two full runs of one commit.
+TP_SERIES_SYNCS = 3
+# The fed cases' counted syncs per controller: each takes 0.15-0.45 s of qwen3-55m, where one scheduling hiccup of
+# the six processes sharing 2 cores is a large share; the median of 3 moved fed tp1dp2 -> tp2's shard_direct over
+# colocated 0.92 / 1.26 between two full runs of one commit. More syncs cost seconds, not minutes.
+FED_SERIES_SYNCS = 5
+# And the fed cases take at least this many repetitions: with 5 syncs per series, their colocated syncs still ranged
+# 0.34-0.84 s within one run (slow spells of the host last longer than a series), and two `--tp-only` runs of one
+# commit gave trainer tp2 -> engine tp2's shard_direct over colocated 0.32 / 0.41 at 5 repetitions.
+FED_REPETITIONS = 9
 # The layout sections (pipeline/expert pair, fed cases, FP8/LoRA/draft guard) take at least this many repetitions:
 # their ratios sit near 1.0 or are small shares, where the median of 3 moved by 22-39% between three quick runs on
 # one commit (pp2_vs_pp1 0.75/0.92/0.75, fed tp1dp2->tp2 1.00/0.84/1.16, fp8_quantize_share 0.27/0.23/0.21). So do
@@ -503,6 +518,7 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
             count_pids: Sequence[int] = (),
             cpu_pids: Sequence[int] = pids,
             digests_in_pause: bool = False,
+            syncs: int = r,
         ) -> Measured:
             sender = model_sender(tensors, transport=transport, bucket_bytes=bucket, verify=verify)
             return run_syncs(
@@ -510,7 +526,7 @@ def bench_model(spec: ModelSpec, args, *, is_sweep_model: bool) -> dict:
                 DigestsInPause(sender) if digests_in_pause else sender,
                 transport=transport,
                 verify=verify,
-                repeats=r,
+                repeats=syncs,
                 staged=staged,
                 sample_pids=pids if sample else (),
                 engine_start_rss=fleet.start_rss,
@@ -725,8 +741,8 @@ def tp_cases(
 ) -> list[dict]:
     """The TP comparison: one TP=1 engine (`fleet`'s first) against one TP=2 engine started here, per transport,
     and this process's memcpy of the model (`memcpy()`, seconds) as the colocated bound, every case in each of at
-    least LAYOUT_REPETITIONS alternating repetitions; `ours(transport, **options)` runs one measured series. Per
-    repetition `{tp_cases: [case rows], tp_memcpy_gbps}`."""
+    least LAYOUT_REPETITIONS alternating repetitions; `ours(transport, **options)` runs one measured series (the
+    median of at least TP_SERIES_SYNCS syncs). Per repetition `{tp_cases: [case rows], tp_memcpy_gbps}`."""
     num_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(model_dir / "model.safetensors").values())
     log(f"{spec.name}: one TP=1 engine vs one TP={ENGINE_TP} engine")
     tp_fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir, tp_size=ENGINE_TP)
@@ -742,6 +758,7 @@ def tp_cases(
             engine_urls=f.urls(1),
             count_pids=rank_pids[engine_tp],
             cpu_pids=[os.getpid(), f.pids[0], *rank_pids[engine_tp]],
+            syncs=max(args.repeats or 0, TP_SERIES_SYNCS),
         )
         received = [(a - b) / m.num_syncs for a, b in zip(f.received_bytes(0), before)]
         return tp_case_row(
@@ -785,14 +802,14 @@ def bench_tp_only(spec: ModelSpec, args) -> dict:
     with ExitStack() as stack:
         fleet = EngineFleet(stack, model_dir, count=1, log_dir=args.log_dir)
 
-        def ours(transport: str, *, verify: bool, engine_urls, count_pids, cpu_pids) -> Measured:
+        def ours(transport: str, *, verify: bool, engine_urls, count_pids, cpu_pids, syncs: int) -> Measured:
             sender = model_sender(tensors, transport=transport, bucket_bytes=DEFAULT_BUCKET, verify=verify)
             return run_syncs(
                 engine_urls,
                 sender,
                 transport=transport,
                 verify=verify,
-                repeats=repeats,
+                repeats=syncs,
                 count_pids=count_pids,
                 cpu_pids=cpu_pids,
             )
@@ -1284,7 +1301,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
             row = bench_tp_only(MODELS[sweep_model], args)
             fed = bench_fed(
-                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+                cache=args.cache,
+                log_dir=args.log_dir,
+                repeats=max(layout_reps, FED_REPETITIONS),
+                syncs=max(small, FED_SERIES_SYNCS),
+                bucket_bytes=DEFAULT_BUCKET,
             )
         result = {
             "tp_only": True,
@@ -1327,7 +1348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             None
             if args.parallel_only or args.models_only
             else bench_fed(
-                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
+                cache=args.cache,
+                log_dir=args.log_dir,
+                repeats=max(layout_reps, FED_REPETITIONS),
+                syncs=max(small, FED_SERIES_SYNCS),
+                bucket_bytes=DEFAULT_BUCKET,
             )
         )
         p2p = (
