@@ -323,6 +323,7 @@ def test_a_cpu_server_gets_the_cpu_flags_its_own_python_and_one_core_per_rank(fl
         "dtype": "float32",
         "mem_fraction_static": 0.1,
         "max_total_tokens": "4096",  # the vendored parser keeps a value whose field type it cannot read
+        "sleep_on_idle": True,  # an idle scheduler blocks on its sockets instead of polling them
     }
     assert command.env == cpu_environment(2) and command.env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert command.env[CPU_SHIM_VARIABLE] == "1"
