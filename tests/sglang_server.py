@@ -46,27 +46,15 @@ def sglang_server(
 
 def enter_together(stack: ExitStack, *servers: AbstractContextManager[Any]) -> list[Any]:
     """Enter every server's context at once, each on a thread of its own (a start mostly waits on its own processes:
-    two one after another cost the sum of both), registered with `stack` so that they stop with it, together too (a
-    server's stop waits for its processes to exit: 7-8 s each here). If any fails to start, the first failure is
-    raised once all have answered, and the ones that started stop with the stack."""
+    two one after another cost the sum of both), each registered with `stack` so it stops with it. If any fails to
+    start, the first failure is raised once all have answered, and the ones that started stop with the stack."""
     with ThreadPoolExecutor(max_workers=len(servers)) as pool:
         futures = [pool.submit(server.__enter__) for server in servers]
         wait(futures)
-    started = [server for server, future in zip(servers, futures) if future.exception() is None]
-    if started:
-        stack.push(lambda *exc_info: _exit_together(started, exc_info))
+    for server, future in zip(servers, futures):
+        if future.exception() is None:
+            stack.push(server.__exit__)
     failure = next((f.exception() for f in futures if f.exception() is not None), None)
     if failure is not None:
         raise failure
     return [future.result() for future in futures]
-
-
-def _exit_together(servers: list[AbstractContextManager[Any]], exc_info: tuple) -> bool:
-    """Every server's exit at once; raises the first failure once all have answered. Suppresses nothing."""
-    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-        futures = [pool.submit(server.__exit__, *exc_info) for server in servers]
-        wait(futures)
-    failure = next((f.exception() for f in futures if f.exception() is not None), None)
-    if failure is not None:
-        raise failure
-    return False
