@@ -90,6 +90,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import json
 import math
 import os
@@ -1277,6 +1278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.repetitions
     layout_reps = max(reps, LAYOUT_REPETITIONS)
     small = args.repeats or SMALL_SERIES_SYNCS  # the layout sections' models are all below 256 MiB
+    # The fed cases, as the full run and --tp-only both run them (FED_REPETITIONS, FED_SERIES_SYNCS).
+    fed_section = functools.partial(
+        bench_fed,
+        cache=args.cache,
+        log_dir=args.log_dir,
+        repeats=max(layout_reps, FED_REPETITIONS),
+        syncs=max(small, FED_SERIES_SYNCS),
+        bucket_bytes=DEFAULT_BUCKET,
+    )
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
     if args.p2p_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
@@ -1300,13 +1310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tp_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
             row = bench_tp_only(MODELS[sweep_model], args)
-            fed = bench_fed(
-                cache=args.cache,
-                log_dir=args.log_dir,
-                repeats=max(layout_reps, FED_REPETITIONS),
-                syncs=max(small, FED_SERIES_SYNCS),
-                bucket_bytes=DEFAULT_BUCKET,
-            )
+            fed = fed_section()
         result = {
             "tp_only": True,
             "repeats": args.repeats,
@@ -1344,17 +1348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bucket_bytes=DEFAULT_BUCKET,
             )
         )
-        fed = (
-            None
-            if args.parallel_only or args.models_only
-            else bench_fed(
-                cache=args.cache,
-                log_dir=args.log_dir,
-                repeats=max(layout_reps, FED_REPETITIONS),
-                syncs=max(small, FED_SERIES_SYNCS),
-                bucket_bytes=DEFAULT_BUCKET,
-            )
-        )
+        fed = None if args.parallel_only or args.models_only else fed_section()
         p2p = (
             None
             if args.parallel_only or args.models_only
