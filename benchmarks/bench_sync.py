@@ -176,6 +176,9 @@ FED_SERIES_SYNCS = 5
 # 0.34-0.84 s within one run (slow spells of the host last longer than a series), and two `--tp-only` runs of one
 # commit gave trainer tp2 -> engine tp2's shard_direct over colocated 0.32 / 0.41 at 5 repetitions.
 FED_REPETITIONS = 9
+# The p2p cases are the same kind of figure (0.2-0.45 s syncs of qwen3-55m, CPU seconds read in 10 ms ticks) and
+# take the fed cases' counts too: at 5 repetitions of 3 syncs, p2p into two TP=1 engines' CPU-seconds ratio moved
+# 1.38 / 1.67 between two full runs of one commit, its repetitions ranging 1.10-1.78 within one run.
 # The layout sections (pipeline/expert pair, fed cases, FP8/LoRA/draft guard) take at least this many repetitions:
 # their ratios sit near 1.0 or are small shares, where the median of 3 moved by 22-39% between three quick runs on
 # one commit (pp2_vs_pp1 0.75/0.92/0.75, fed tp1dp2->tp2 1.00/0.84/1.16, fp8_quantize_share 0.27/0.23/0.21). So do
@@ -1287,12 +1290,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         syncs=max(small, FED_SERIES_SYNCS),
         bucket_bytes=DEFAULT_BUCKET,
     )
+    # The p2p cases, as the full run and --p2p-only both run them (the fed cases' counts).
+    p2p_section = functools.partial(
+        bench_p2p,
+        cache=args.cache,
+        log_dir=args.log_dir,
+        repeats=max(layout_reps, FED_REPETITIONS),
+        syncs=max(small, FED_SERIES_SYNCS),
+        bucket_bytes=DEFAULT_BUCKET,
+    )
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
     if args.p2p_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
-            p2p = bench_p2p(
-                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
-            )
+            p2p = p2p_section()
         result = {
             "p2p_only": True,
             "wall_s": time.perf_counter() - started,
@@ -1349,13 +1359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         fed = None if args.parallel_only or args.models_only else fed_section()
-        p2p = (
-            None
-            if args.parallel_only or args.models_only
-            else bench_p2p(
-                cache=args.cache, log_dir=args.log_dir, repeats=layout_reps, syncs=small, bucket_bytes=DEFAULT_BUCKET
-            )
-        )
+        p2p = None if args.parallel_only or args.models_only else p2p_section()
     fp8 = lora = guard = None
     if not (args.parallel_only or args.models_only):
         smallest = min(names, key=lambda n: model_size(MODELS[n]))
