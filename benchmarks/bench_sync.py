@@ -178,7 +178,7 @@ FED_SERIES_SYNCS = 5
 FED_REPETITIONS = 9
 # The p2p cases are the same kind of figure (0.2-0.45 s syncs of qwen3-55m, CPU seconds read in 10 ms ticks) and
 # take the fed cases' counts too: at 5 repetitions of 3 syncs, p2p into two TP=1 engines' CPU-seconds ratio moved
-# 1.38 / 1.67 between two full runs of one commit, its repetitions ranging 1.10-1.78 within one run.
+# 1.38 / 1.67 between two full runs of one commit, its repetitions 1.10-1.63 in one, 1.34-1.78 in the other.
 # The layout sections (pipeline/expert pair, fed cases, FP8/LoRA/draft guard) take at least this many repetitions:
 # their ratios sit near 1.0 or are small shares, where the median of 3 moved by 22-39% between three quick runs on
 # one commit (pp2_vs_pp1 0.75/0.92/0.75, fed tp1dp2->tp2 1.00/0.84/1.16, fp8_quantize_share 0.27/0.23/0.21). So do
