@@ -46,8 +46,8 @@ from its two cases of the same repetition) and reported as the median over the r
 (parallel pair, fed cases, FP8/LoRA/draft guard) and the per-model pairs (TP comparison, engine-digest pair), whose
 ratios sit near 1.0 or are small shares, take at least 5 repetitions whatever `--repetitions` says; the TP comparison
 runs one discarded pass first (its TP=2 engine starts there) and its series take at least 3 measured syncs whatever
-the model's size, the fed cases 5 syncs in each of at least 9 repetitions (a sync of either takes a fraction of a
-second). `spread` in the JSON
+the model's size, the fed and p2p cases 5 syncs in each of at least 9 repetitions (a sync of any of them takes a
+fraction of a second). `spread` in the JSON
 keeps each headline figure's median, min, max and every repetition's value, the printout says `median [min-max]`,
 a figure whose max/min exceeds 1.2 is listed in `unstable`, and `caveats` says why a figure cannot be read as what it
 names (unstable; the CPU bound saturated at 1.0 because the model is too small for the cores to bound its send; the
