@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from miles_sync.engine.reference.ranks import wait_exited
 from miles_sync.export.units import ExportedUnit, units_from_hf_tensors
 from miles_sync.sync.weight_source import WeightSource
 
@@ -270,7 +271,6 @@ class ProcessSource(WeightSource):
             self._conn.send((0, "exit", None))
         except OSError:
             pass  # already gone
-        self.process.join(timeout=10)
-        if self.process.is_alive():
+        if not wait_exited(self.process, 10.0):  # not join(): see wait_exited
             self.process.kill()
-            self.process.join(timeout=10)
+            wait_exited(self.process, 10.0)

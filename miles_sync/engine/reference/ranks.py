@@ -56,6 +56,20 @@ logger = logging.getLogger(__name__)
 _DEADLINE_MARGIN_S = 30.0  # past the collective timeout a rank applies itself: its answer is overdue
 _START_TIMEOUT_S = 600.0  # loading and sharding a checkpoint
 _WATCH_INTERVAL_S = 0.5
+_EXIT_POLL_S = 0.02
+
+
+def wait_exited(process: multiprocessing.process.BaseProcess, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for `process` to exit; True once it has. Polls its exit status (waitpid), never its
+    sentinel: a child that used torch's file_system shared memory may have started torch_shm_manager, which inherits
+    the child's end of the sentinel pipe and outlives it, so `join(timeout)` would wait the whole timeout for a
+    process that exited at once (in the multiproc tier, test senders' stops took their full join timeout, 10 s)."""
+    deadline = time.monotonic() + timeout_s
+    while process.is_alive():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_EXIT_POLL_S)
+    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +151,7 @@ class RankFleet:
             raise EngineDown(f"the engine is down: {self._failure}")
 
     def _exit_reason(self, rank: _RankProcess) -> str:
-        rank.process.join(timeout=2.0)
+        wait_exited(rank.process, 2.0)
         code = rank.process.exitcode
         return f"TP rank {rank.tp_rank} (pid {rank.process.pid}) exited" + ("" if code is None else f" with {code}")
 
@@ -153,18 +167,19 @@ class RankFleet:
         sentinels = {rank.process.sentinel: rank for rank in self._ranks}
         while not self._closing and self._failure is None:
             ready = multiprocessing.connection.wait(list(sentinels), timeout=_WATCH_INTERVAL_S)
-            if ready and not self._closing:
-                self._take_down(self._exit_reason(sentinels[ready[0]]))
+            # The exit status too: a sentinel that torch_shm_manager holds open (`wait_exited`) never becomes ready.
+            gone = [sentinels[s] for s in ready] or [rank for rank in self._ranks if not rank.process.is_alive()]
+            if gone and not self._closing:
+                self._take_down(self._exit_reason(gone[0]))
 
     def _stop_processes(self) -> None:
         for rank in self._ranks:
             for conn in rank.conns.values():
                 conn.close()
         for rank in self._ranks:
-            rank.process.join(timeout=5.0)
-            if rank.process.is_alive():
+            if not wait_exited(rank.process, 5.0):
                 rank.process.kill()
-                rank.process.join(timeout=5.0)
+                wait_exited(rank.process, 5.0)
 
     def close(self) -> None:
         with self._state_lock:
@@ -232,8 +247,7 @@ def start_rank_engine(
         for rank in ranks:
             for conn in rank.conns.values():
                 conn.close()
-            rank.process.join(timeout=5.0)
-            if rank.process.is_alive():
+            if not wait_exited(rank.process, 5.0):
                 rank.process.kill()
         raise ValueError(f"cannot start a TP={tp_size} engine: " + "; ".join(problems))
     return RankFleet(ranks, timeout_s=collective_timeout_s, store=store), replies[0][1]
