@@ -1282,15 +1282,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout_reps = max(reps, LAYOUT_REPETITIONS)
     small = args.repeats or SMALL_SERIES_SYNCS  # the layout sections' models are all below 256 MiB
     # The fed and p2p cases, as the full run and --tp-only / --p2p-only run them: FED_REPETITIONS of FED_SERIES_SYNCS.
-    short_sync_counts = {
+    short_sync_args = {
         "cache": args.cache,
         "log_dir": args.log_dir,
         "repeats": max(layout_reps, FED_REPETITIONS),
         "syncs": max(small, FED_SERIES_SYNCS),
         "bucket_bytes": DEFAULT_BUCKET,
     }
-    fed_section = functools.partial(bench_fed, **short_sync_counts)
-    p2p_section = functools.partial(bench_p2p, **short_sync_counts)
+    fed_section = functools.partial(bench_fed, **short_sync_args)
+    p2p_section = functools.partial(bench_p2p, **short_sync_args)
     sweep_model = max(names, key=lambda n: model_size(MODELS[n]))
     if args.p2p_only:
         with connect_ray(ClusterConfig(num_cpus=ENGINES + 1)):
