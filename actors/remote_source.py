@@ -100,6 +100,7 @@ class RemoteTrainerSource(WeightSource):
         if not control_timeout_s > 0:
             raise ValueError(f"control_timeout_s={control_timeout_s} must be positive")
         self._trainers = tuple(trainers)
+        self.flushes_cache = settings.flush_cache  # every rank builds its requests from these settings
         self._calls = _RankCalls(attachment=attachment, settings=settings, control_timeout_s=control_timeout_s)
         self._ranks: tuple[RankInfo, ...] = ()
         self._pipeline: PipelineSource | None = None
@@ -252,6 +253,7 @@ class StageSource(WeightSource):
         # A transport that spreads its feeds (p2p) routes every rank's own shards at send time and packs nothing
         # ahead, so a later stage waits for its turn instead (miles_sync.sync.pipeline).
         self.can_stage = not transport_spec(calls.settings.transport).spreads_feeds
+        self.flushes_cache = calls.settings.flush_cache
         self._trainers = tuple(trainers)
         self._source_index = source_index
         self._calls = calls

@@ -39,6 +39,7 @@ class SenderSettings:
     # engines answering engine names are checked by replica agreement.
     predict_engine_digests: bool = True
     quantization: Any = None  # a miles_sync.weights.fp8.Fp8Block: the sender quantizes to block FP8
+    flush_cache: bool = False  # every update request flushes the engine's prefix cache (no session flush)
     bucket_timeout_s: float = 20.0
     open_timeout_s: float = 20.0
     http_timeout_s: float = 20.0
@@ -54,6 +55,7 @@ class SenderSettings:
             http_timeout_s=self.http_timeout_s,
             call_timeout_s=self.open_timeout_s + self.bucket_timeout_s,
             quantization=self.quantization,
+            flush_cache=self.flush_cache,
         )
 
 
@@ -221,6 +223,8 @@ class ProcessSource(WeightSource):
         self.stage_results: list[Any] = []  # every StageResult, in order
 
     async def call(self, op: str, args: Any = None, *, on_progress: Callable | None = None) -> Any:
+        if op == "configure":  # the session reads it here, on this side of the pipe
+            self.flushes_cache = args.flush_cache
         async with self._lock:
             self._next_id += 1
             request_id = self._next_id

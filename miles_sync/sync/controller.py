@@ -156,6 +156,7 @@ class SyncController:
             staged=staged,
             lora_name=lora_name,
             lease_wait_s=lease_wait_s,
+            pause_mode=PauseMode(pause_mode),
         )
         self._urls = [u.rstrip("/") for u in engine_urls]
         self._source = source
@@ -819,6 +820,7 @@ def _checked_spec(
     staged: bool,
     lora_name: str | None,
     lease_wait_s: float,
+    pause_mode: PauseMode,
 ) -> TransportSpec:
     """The transport's spec; ValueError naming every problem of the controller's arguments at once."""
     problems = []
@@ -833,6 +835,11 @@ def _checked_spec(
         problems.append(f"LoRA syncs need a source that answers adapters; {type(source).__name__} does not")
     if not lease_wait_s > 0:
         problems.append(f"lease_wait_s={lease_wait_s} must be positive")
+    if source.flushes_cache and pause_mode is PauseMode.IN_PLACE:
+        problems.append(
+            "pause_mode=in_place keeps requests running, and SGLang refuses the prefix-cache flush the source "
+            "sends with every update then (SenderSettings.flush_cache must be false for in_place)"
+        )
     spec = None
     try:
         spec = transport_spec(transport)

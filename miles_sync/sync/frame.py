@@ -22,6 +22,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from miles_sync.sync.report import EngineResult, PhaseTimes, SyncReport
 from miles_sync.sync.weight_source import SendResult
@@ -29,6 +30,8 @@ from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import PauseMode, Selector
 
 __all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
+
+R = TypeVar("R")
 
 RESET_STEP = "mechanism-reset"  # once attempted, an incomplete session leaves every engine paused
 # The engine client bounds every call by the session's control timeout; the frame's own deadline sits behind it, so
@@ -70,6 +73,7 @@ class EngineState:
     draft_guard: str = ""  # "draft unchanged" when the draft guard ran on it and passed
     is_intact: bool = False  # checked after a failed send: still answers its baseline checksums
     stale_reason: str = ""  # the flow marked it stale: why
+    call_s: dict[str, float] = field(default_factory=dict)  # wall seconds of each step's call to it, by step name
 
     @property
     def verification(self) -> str:
@@ -112,7 +116,7 @@ class FleetSteps:
         self.attempted.add(name)  # before the calls: a call that times out may still have taken effect
         bound = self.timeout_s + _BACKSTOP_S
         results = await asyncio.gather(
-            *(asyncio.wait_for(call(e), timeout=bound) for e in engines), return_exceptions=True
+            *(self._timed(name, e, asyncio.wait_for(call(e), timeout=bound)) for e in engines), return_exceptions=True
         )
         failures = []
         for engine, result in zip(engines, results):
@@ -125,6 +129,16 @@ class FleetSteps:
         if failures:
             raise SessionError(f"{name} failed on {len(failures)} of {len(engines)} engine(s): " + "; ".join(failures))
         return list(results)
+
+    async def _timed(self, name: str, engine: EngineAPI, call: Awaitable[R]) -> R:
+        """`call`'s result; its wall time is recorded against `name` on `engine` whether it succeeds or not (a step
+        entered twice adds up), so the report names the call a slow phase spent its time in."""
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            seconds = self.state[engine.url].call_s
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
 
     def fail(self, url: str, step: str, message: str) -> None:
         state = self.state[url]
@@ -179,7 +193,8 @@ class FleetSteps:
 
         async def flush(engine: EngineAPI) -> str | None:
             try:
-                await asyncio.wait_for(engine.flush_cache(timeout_s=self.timeout_s), timeout=self.timeout_s)
+                flushed = asyncio.wait_for(engine.flush_cache(timeout_s=self.timeout_s), timeout=self.timeout_s)
+                await self._timed("flush-after-resume", engine, flushed)
             except Exception as exc:
                 return f"{engine.url}: prefix cache not flushed after the in_place resume: {exc or 'timed out'}"
             return None
@@ -283,6 +298,7 @@ def session_report(
             weights_digest=state.digest,
             draft_digests=state.draft if "verify" in state.done else None,
             draft_guard=state.draft_guard,
+            call_s=dict(state.call_s),
         )
         for url, state in fleet.state.items()
     )

@@ -57,6 +57,9 @@ class PipelineSource(WeightSource):
         self._is_staged = False
         self.can_stage = all(s.can_stage for s in self._stages)
         self.can_predict = all(s.can_predict for s in self._stages)
+        # Each stage's requests load only its layers; each flushes as it loads, so every engine is flushed by the
+        # first request it receives. Mixed stages would leave the session unsure: then it flushes itself.
+        self.flushes_cache = all(s.flushes_cache for s in self._stages)
 
     @property
     def num_stages(self) -> int:

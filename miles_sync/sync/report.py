@@ -66,6 +66,10 @@ class EngineResult:
     draft_digests: tuple[dict[str, str], ...] | None = None
     # "draft unchanged" when the session left the draft out and its digests all stayed as they were (draft guard).
     draft_guard: str = ""
+    # Wall seconds of the session's calls to this engine, by step ("pause", "flush", "begin", "end", "version",
+    # "verify-checksum", "resume", ...; a step run twice adds up), so a slow phase names its call and engine. The
+    # send's per-bucket posts are the transport's and count in `PhaseTimes.send_s`.
+    call_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,6 +53,7 @@ class RoutedSender(WeightSource):
                 "sync.quantization needs a gathered send"
             )
         self._settings = settings
+        self.flushes_cache = settings.flush_cache
         self._pieces = pieces
         self._metas = metas
         self._names = names
@@ -81,6 +82,7 @@ class RoutedSender(WeightSource):
             device=self._settings.device,
             fan_out_timeout_s=2 * self._settings.bucket_timeout_s,
             metas=tuple(self._metas()),
+            flush_cache=self._settings.flush_cache,
         )
         self._rank = await asyncio.wait_for(
             open_routed_rank(

@@ -2,8 +2,9 @@
 
     selector (cross-checked against every engine's draft report, before anything is sent)
     quantization (the sync's against every engine's, before anything is sent: miles_sync.sync.quantization)
-    pause (barrier) -> flush (unless in_place) -> [mechanism check: snapshot -> reset] -> begin(selector)
-    source: export -> pack -> send, bucket by bucket
+    pause (barrier) -> flush (unless in_place, or the source flushes with its updates) -> [mechanism check:
+        snapshot -> reset] -> begin(selector)
+    source: export -> pack -> send, bucket by bucket (with `flushes_cache`, each update flushes the prefix cache)
     end -> update_weight_version -> [mechanism check: compare] -> verify (miles_sync.sync.verify: exact,
         engine-exact, or replica agreement)
     continue_generation for every engine that may serve, also on failure; in_place: flush after the resume
@@ -210,9 +211,16 @@ async def _sync(
     if staged:  # before the pause: the engines keep generating while the next version is exported, packed, hashed
         with clock.phase("stage"):
             await source.stage(selector=selector, engine_digests=layouts.plan)
+    if source.flushes_cache and pause_mode is PauseMode.IN_PLACE:
+        raise ValueError(
+            "the source flushes the prefix cache with every update, which SGLang refuses while in_place-paused "
+            "requests run; an in_place sync needs a source without SenderSettings.flush_cache"
+        )
     with clock.phase("pause"):
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
-        if pause_mode is not PauseMode.IN_PLACE:  # in_place keeps requests running: flushed after the resume
+        # in_place keeps requests running: flushed after the resume. A source that flushes with its updates needs
+        # no flush here (SenderSettings.flush_cache: SGLang's /flush_cache costs a gc pass on a CPU server).
+        if pause_mode is not PauseMode.IN_PLACE and not source.flushes_cache:
             await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
         if mechanism_check:
             await _snapshot_and_reset(fleet, selector=selector)

@@ -99,6 +99,9 @@ class WeightSource(Protocol):
     syncs_adapters: bool = False
     # Whether `predict` hashes the current weights without sending them; the default refuses.
     can_predict: bool = False
+    # Whether every update request of a send asks the engine to flush its prefix cache as it loads
+    # (SenderSettings.flush_cache): the session then sends no /flush_cache of its own (miles_sync.sync.session).
+    flushes_cache: bool = False
 
     @property
     def num_stages(self) -> int:

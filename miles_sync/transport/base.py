@@ -93,6 +93,10 @@ class RankSetup:
     device: str = "cpu"
     fan_out_timeout_s: float = 120.0  # a member may wait in one collective for a poster's whole HTTP call
     metas: tuple[TensorMeta, ...] = ()  # the export's tensors, for a transport that plans from them
+    # Every update request asks the engine to flush its prefix cache as it loads (SGLang's `flush_cache` field;
+    # `torch_empty_cache` stays false). Only where the session's pause empties the engine (abort, retract): with
+    # requests running (in_place) SGLang refuses the flush and fails the update.
+    flush_cache: bool = False
 
 
 @runtime_checkable

@@ -421,6 +421,7 @@ class FanOut:
         collectives: Collectives,
         engines: Sequence[EngineTarget | None],
         delivery: Delivery,
+        flush_cache: bool = False,
     ) -> None:
         if len(engines) != len(role.plan.engines):
             raise ValueError(f"{len(engines)} engine targets for a feed plan of {len(role.plan.engines)} engines")
@@ -431,6 +432,7 @@ class FanOut:
         self._collectives = collectives
         self._engines = tuple(engines)
         self._delivery = delivery
+        self._flush_cache = flush_cache  # each request flushes the engine's prefix cache (RankSetup.flush_cache)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-fan-out")
         self._pending: asyncio.Future | None = None
         self._state = _SendState()
@@ -568,7 +570,7 @@ class FanOut:
                 UpdateWeightsFromTensorRequest(
                     serialized_named_tensors=tuple(p.payload for p in payloads),
                     load_format=self._delivery.load_format,
-                    flush_cache=False,  # the session flushes once before the first bucket
+                    flush_cache=self._flush_cache,
                     selector=announcement.selector,
                 )
             )
@@ -595,17 +597,24 @@ class FanOut:
 
 
 def open_fan_out(
-    *, role: FeedRole, engines: Sequence[EngineTarget | None], timeout_s: float, delivery: Delivery
+    *,
+    role: FeedRole,
+    engines: Sequence[EngineTarget | None],
+    timeout_s: float,
+    delivery: Delivery,
+    flush_cache: bool = False,
 ) -> FanOut | None:
     """Create this rank's side of the fan-out. With more than one member this is a collective over the trainer's
     default group that every trainer rank must enter (`open`, never during a send); returns None on a rank that
     is not a member. Blocking."""
     if len(role.members) == 1:  # the source alone: no group, on any rank (new_group must be called by all or none)
-        return FanOut(role=role, collectives=_Solo(), engines=engines, delivery=delivery) if role.is_member else None
+        if not role.is_member:
+            return None
+        return FanOut(role=role, collectives=_Solo(), engines=engines, delivery=delivery, flush_cache=flush_cache)
     collectives = _open_gloo(role.members, source_rank=role.source_rank, timeout_s=timeout_s)
     if collectives is None:
         return None
-    return FanOut(role=role, collectives=collectives, engines=engines, delivery=delivery)
+    return FanOut(role=role, collectives=collectives, engines=engines, delivery=delivery, flush_cache=flush_cache)
 
 
 class ColocatedRank(RankTransport):
@@ -682,7 +691,12 @@ async def open_posting_fan_out(
     ]
     try:
         fan_out = await asyncio.to_thread(
-            open_fan_out, role=role, engines=targets, timeout_s=setup.fan_out_timeout_s, delivery=delivery
+            open_fan_out,
+            role=role,
+            engines=targets,
+            timeout_s=setup.fan_out_timeout_s,
+            delivery=delivery,
+            flush_cache=setup.flush_cache,
         )
     except BaseException:
         for client in clients.values():

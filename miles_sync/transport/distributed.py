@@ -46,19 +46,20 @@ _FAILED_BROADCAST_GRACE_S = 2.0
 
 
 def bucket_request(
-    bucket: FlattenedBucket, *, selector: Selector, group_name: str
+    bucket: FlattenedBucket, *, selector: Selector, group_name: str, flush_cache: bool = False
 ) -> UpdateWeightsFromDistributedRequest:
     """The metadata POST of one bucket. Entries are in buffer order, so the receiver's rebuilt offsets (sum of the
     preceding byte sizes) are exactly the sender's. Pure.
 
-    flush_cache is false: the session flushes once before the first bucket (a per-bucket flush would repeat it).
+    `flush_cache`: the engine flushes its prefix cache as it loads the bucket (RankSetup.flush_cache); else the
+    session flushes it, or an in_place pause leaves it to the resume.
     """
     return UpdateWeightsFromDistributedRequest(
         names=tuple(e.name for e in bucket.entries),
         dtypes=tuple(dtype_name(e.dtype) for e in bucket.entries),
         shapes=tuple(tuple(e.shape) for e in bucket.entries),
         group_name=group_name,
-        flush_cache=False,
+        flush_cache=flush_cache,
         load_format=LoadFormat.FLATTENED_BUCKET,
         selector=selector,
     )
@@ -69,11 +70,14 @@ class DistributedTransport:
 
     name = "distributed"
 
-    def __init__(self, *, engines: Sequence[EngineTarget], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, *, engines: Sequence[EngineTarget], device: torch.device | str = "cpu", flush_cache: bool = False
+    ) -> None:
         if not engines:
             raise ValueError("DistributedTransport needs at least one engine")
         self._engines = tuple(engines)
         self._device = torch.device(device)
+        self._flush_cache = flush_cache
         self._group: UpdateGroup | None = None
         self._membership: GroupMembership | None = None
         self._delivery: asyncio.Future | None = None  # the last bucket's POSTs + broadcast
@@ -125,7 +129,9 @@ class DistributedTransport:
         group, membership = self._group, self._membership
         if group is None or membership is None:
             raise TransportError("the distributed transport is not open (or was closed after a failure)")
-        request = bucket_request(bucket, selector=selector, group_name=membership.group_name)
+        request = bucket_request(
+            bucket, selector=selector, group_name=membership.group_name, flush_cache=self._flush_cache
+        )
         try:
             group.check_broadcastable(bucket.buffer, src=membership.source_rank)  # before any engine is told
         except ValueError as e:
@@ -230,4 +236,6 @@ def _failures(who: Sequence[str], results: Sequence[object]) -> list[str]:
 
 async def open_distributed_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> SourceRank:
     """The source talks to every engine and hosts the update group; other ranks hold nothing."""
-    return source_rank(DistributedTransport, engines=engines, setup=setup, device=setup.device)
+    return source_rank(
+        DistributedTransport, engines=engines, setup=setup, device=setup.device, flush_cache=setup.flush_cache
+    )

@@ -155,28 +155,60 @@ async def model_version(url: str) -> str:
         return (await client.model_info()).weight_version
 
 
-@pytest.mark.parametrize("transport", ["distributed", "colocated", "shard_direct"])
-def test_syncs_into_real_servers_are_verified_engine_exact(servers, source, checkpoint, transport):
+async def cached_tokens(url: str) -> int:
+    """How many of CACHE_PROBE's prompt tokens the server took from its prefix (radix) cache: SGLang's
+    meta_info.cached_tokens, which the typed response does not carry."""
+    async with aiohttp.ClientSession() as session:
+        timeout = aiohttp.ClientTimeout(total=60.0)
+        async with session.post(url + "/generate", json=CACHE_PROBE, timeout=timeout) as response:
+            assert response.status == 200, await response.text()
+            return int((await response.json())["meta_info"]["cached_tokens"])
+
+
+# A prompt long enough that its cached prefix is unmistakable; one greedy token.
+CACHE_PROBE = {"input_ids": list(range(10, 50)), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+
+
+# flush: the source flushes the prefix cache with every update (the main job's default for abort and retract); or
+# the session's own /flush_cache after the pause.
+@pytest.mark.parametrize(
+    ("transport", "flush_with_updates"),
+    [("distributed", True), ("colocated", True), ("shard_direct", True), ("distributed", False)],
+    ids=["distributed", "colocated", "shard_direct", "distributed-session-flush"],
+)
+def test_syncs_into_real_servers_are_verified_engine_exact(servers, source, checkpoint, transport, flush_with_updates):
     urls = [proxy.url for _, proxy in servers]
     tensors, num_layers = checkpoint
     num_tensors = len(exported_names(tensors, num_hidden_layers=num_layers, include_mtp=False))
 
     async def main():
-        await source.call("configure", settings(transport))
+        await source.call("configure", settings(transport, flush_cache=flush_with_updates))
         ctl = controller(urls, source, transport=transport)
         await ctl.connect()
-        reports, answers = [], []
+        reports, answers, cached = [], [], []
         try:
             for step in (1, 2):
+                # The probe's prefix is cached before the sync (asked twice: the second answer shows it cached),
+                # and must be gone after it: KV computed with the old weights is never reused.
+                before = [[await cached_tokens(u) for _ in range(2)][1] for u in urls]
                 await source.call("step", step)
                 reports.append(await ctl.sync())
+                cached.append((before, [await cached_tokens(u) for u in urls]))
                 answers.append([await generate(u) for u in urls])
             versions = [await model_version(u) for u in urls]
         finally:
             await ctl.close()
-        return reports, answers, versions
+        return reports, answers, versions, cached
 
-    reports, answers, versions = asyncio.run(main())
+    reports, answers, versions, cached = asyncio.run(main())
+    for before, after in cached:
+        assert all(n >= 30 for n in before) and after == [0, 0], cached
+    for report in reports:
+        calls = [set(e.call_s) for e in report.engines]
+        # Each engine's calls are timed by step; the session's /flush_cache only where the source does not flush.
+        expected = {"pause", "begin", "end", "version", "verify-checksum", "resume"}
+        assert calls == [expected if flush_with_updates else expected | {"flush"}] * 2, calls
+        assert all(s > 0 for e in report.engines for s in e.call_s.values())
     for report, responses in zip(reports, answers):
         assert report.committed and report.error is None and report.selector is Selector.ALL
         assert report.verification == "engine-exact (sha256)", report

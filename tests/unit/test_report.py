@@ -34,7 +34,12 @@ def report(**changes) -> SyncReport:
         total_s=2.5,
         engines=(
             EngineResult(
-                url="http://127.0.0.1:1", success=True, is_stale=False, num_verified_tensors=321, weight_version="7"
+                url="http://127.0.0.1:1",
+                success=True,
+                is_stale=False,
+                num_verified_tensors=321,
+                weight_version="7",
+                call_s={"pause": 0.002, "begin": 0.0035},
             ),
             EngineResult(url="http://127.0.0.1:2", success=False, is_stale=True, message="end: runner loaded nothing"),
         ),

@@ -511,6 +511,14 @@ def test_a_source_declares_its_surface_and_inherits_the_defaults():
         SyncController(**common, staged=True)
     with pytest.raises(ValueError, match="LoRA syncs need a source that answers adapters; Minimal does not"):
         SyncController(**common, lora_name="policy")
+    # A source that flushes the prefix cache with its updates cannot serve in_place pauses (SGLang refuses the
+    # flush while requests run, failing every update); with the default it can.
+    assert not source.flushes_cache
+    SyncController(**{**common, "pause_mode": PauseMode.IN_PLACE})
+    source.flushes_cache = True
+    with pytest.raises(ValueError, match="pause_mode=in_place keeps requests running"):
+        SyncController(**{**common, "pause_mode": PauseMode.IN_PLACE})
+    SyncController(**{**common, "pause_mode": PauseMode.RETRACT})
 
 
 def test_a_send_without_a_plan_predicts_nothing(recording):
