@@ -396,8 +396,10 @@ def summary_line(baseline: BaselineRecord | None, rounds: Sequence[RoundRecord])
     first, last = baseline.accept_length, rounds[-1].accept_length
     verified = sum(r.verified for r in rounds)
     diffs = [r.logprob_diff_max for r in rounds if r.logprob_diff_max is not None]
+    # Engines without a draft (every real CPU server) report no accept length.
+    accept = "no draft" if first is None or last is None else f"accept length {first:.3f} -> {last:.3f}"
     return (
-        f"{len(rounds)} rounds, {verified} verified; accept length {first} -> {last}; "
+        f"{len(rounds)} rounds, {verified} verified; {accept}; "
         f"mean reward {baseline.reward:.3f} -> {rounds[-1].reward:.3f}"
         + (f"; max |trainer - engine| log-prob over the rounds {max(diffs):.2e}" if diffs else "")
     )

@@ -128,4 +128,8 @@ def test_a_run_stops_on_a_failed_sync_or_a_holding_canary():
     assert "the draft canary held http://e" in why_stop(flagged, holds_on_canary=True)
     baseline = BaselineRecord(version="0", accept_length=3.0, reward=0.25)
     assert summary_line(baseline, []) is None
-    assert summary_line(baseline, [row]).startswith("1 rounds, 0 verified; accept length 3.0 -> 3.5")
+    assert summary_line(baseline, [row]).startswith("1 rounds, 0 verified; accept length 3.000 -> 3.500")
+    # Engines without a draft: no accept length to report ("None -> None" before).
+    undrafted = dataclasses.replace(row, accept_length=None)
+    no_draft = dataclasses.replace(baseline, accept_length=None)
+    assert summary_line(no_draft, [undrafted]).startswith("1 rounds, 0 verified; no draft; mean reward 0.250")
