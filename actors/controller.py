@@ -80,7 +80,9 @@ def controller_args(
         "verify": sync.verify,
         "staged": sync.staged,
         "mechanism_check": sync.mechanism_check,
-        "timeouts": SessionTimeouts(control_s=sync.http_timeout_s, sync_s=sync.sync_timeout_s),
+        "timeouts": SessionTimeouts(
+            control_s=sync.http_timeout_s, sync_s=sync.sync_timeout_s, in_place_flush_s=sync.in_place_flush_s
+        ),
         "group": GroupSettings(backend=backend, master_address=master_address),
         "api_key": api_key,
         "admin_api_key": admin_api_key,

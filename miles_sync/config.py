@@ -113,6 +113,9 @@ class SyncConfig:
     http_timeout_s: float = 60.0
     collective_timeout_s: float = 120.0
     sync_timeout_s: float = 600.0  # one whole sync, pause to resume
+    # pause_mode=in_place: how long after the resume the sync keeps asking each engine to flush its prefix cache
+    # (SGLang refuses while a request runs; under steady load none ends in time, and the report says so per engine).
+    in_place_flush_s: float = 0.5
     # Refuse a selector whose draft runner the export cannot feed (a frozen draft under `all`). Off only to
     # reproduce what systems without the check do (demo=frozen_draft_bug).
     check_selector: bool = True
@@ -170,7 +173,7 @@ class SyncConfig:
             problems.append(f"bucket_bytes={self.bucket_bytes} must be positive")
         if self.fp8_block is not None and (len(self.fp8_block) != 2 or not all(b > 0 for b in self.fp8_block)):
             problems.append(f"fp8_block={list(self.fp8_block)} must be two positive integers [rows, cols]")
-        for name in ("http_timeout_s", "collective_timeout_s", "sync_timeout_s"):
+        for name in ("http_timeout_s", "collective_timeout_s", "sync_timeout_s", "in_place_flush_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 problems.append(f"{name}={value} must be a positive number of seconds")

@@ -6,7 +6,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -120,6 +120,10 @@ class RoundRecord:
     routed_engines: tuple[str, ...] = ()
     route_changes: tuple[str, ...] = ()
     joined: tuple[str, ...] = ()
+    # Per engine URL: the wall seconds of each of the sync's calls to it (EngineResult.call_s: a slow phase names its
+    # call), and what the sync did to its prefix cache (EngineResult.prefix_cache).
+    engine_calls: dict[str, dict[str, float]] = field(default_factory=dict)
+    prefix_cache: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +187,8 @@ def round_record(
         num_tensors=report.num_tensors,
         loss=loss,
         trainer_step=trainer_step,
+        engine_calls={e.url: dict(e.call_s) for e in report.engines},
+        prefix_cache={e.url: e.prefix_cache for e in report.engines},
         **_rollout_fields(rollouts),
     )
 

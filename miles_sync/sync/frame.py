@@ -34,6 +34,10 @@ __all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
 R = TypeVar("R")
 
 RESET_STEP = "mechanism-reset"  # once attempted, an incomplete session leaves every engine paused
+# EngineResult.prefix_cache, where the session emptied it: before the send, with the updates, after the resume.
+FLUSHED = "flushed"
+FLUSHED_WITH_UPDATES = "flushed with the updates"
+FLUSHED_AFTER_RESUME = "flushed after the resume"
 # The engine client bounds every call by the session's control timeout; the frame's own deadline sits behind it, so
 # a call that hangs past the client (an engine API without a client timeout) still ends, and the client's error,
 # which names the endpoint, is the one reported.
@@ -49,13 +53,17 @@ class SessionError(RuntimeError):
 @dataclass(frozen=True, kw_only=True)
 class SessionTimeouts:
     """`control_s` bounds each control call to one engine; `sync_s` the whole session from the selector to the
-    verification (the resume that follows gets its own `control_s`)."""
+    verification (the resume that follows gets its own `control_s`); `in_place_flush_s` how long, after an in_place
+    resume, the session keeps asking an engine to flush its prefix cache (SGLang refuses while any request runs,
+    which under steady load is always: the sync's result waits this long at most, not `control_s`)."""
 
     control_s: float
     sync_s: float
+    in_place_flush_s: float = 0.5
 
     def __post_init__(self) -> None:
-        bad = [f"{n}={v}" for n, v in (("control_s", self.control_s), ("sync_s", self.sync_s)) if not v > 0]
+        values = (("control_s", self.control_s), ("sync_s", self.sync_s), ("in_place_flush_s", self.in_place_flush_s))
+        bad = [f"{n}={v}" for n, v in values if not v > 0]
         if bad:
             raise ValueError(f"session timeouts must be positive: {', '.join(bad)}")
 
@@ -73,6 +81,7 @@ class EngineState:
     draft_guard: str = ""  # "draft unchanged" when the draft guard ran on it and passed
     is_intact: bool = False  # checked after a failed send: still answers its baseline checksums
     stale_reason: str = ""  # the flow marked it stale: why
+    prefix_cache: str = ""  # what the session did to its prefix cache (EngineResult.prefix_cache)
     call_s: dict[str, float] = field(default_factory=dict)  # wall seconds of each step's call to it, by step name
 
     @property
@@ -184,19 +193,25 @@ class FleetSteps:
             with contextlib.suppress(SessionError):
                 await self.step("resume", lambda e: e.continue_generation(timeout_s=self.timeout_s), only=serving)
 
-    async def flush_after_in_place_resume(self) -> list[str]:
+    async def flush_after_in_place_resume(self, *, window_s: float) -> list[str]:
         """An in_place pause keeps requests running, and SGLang refuses to flush its prefix cache while any runs,
-        so the cache is flushed once they let it (the client retries while the engine answers 400), within
-        `timeout_s`. Until then cached prefixes computed with the old weights may be reused. Returns a warning per
-        engine that could not be flushed; never raises."""
+        so the cache is flushed once they let it (the client retries while the engine answers 400), for at most
+        `window_s`: under steady load no request-free moment comes, and the sync must not stall on it. Where it
+        was not flushed, cached prefixes computed with the old weights may be reused (as in_place's running
+        requests reuse their own KV). Records the outcome per engine and returns a warning per engine that could
+        not be flushed; never raises."""
         engines = [e for e in self.engines if "resume" in self.state[e.url].done and "send" in self.attempted]
 
         async def flush(engine: EngineAPI) -> str | None:
+            state = self.state[engine.url]
             try:
-                flushed = asyncio.wait_for(engine.flush_cache(timeout_s=self.timeout_s), timeout=self.timeout_s)
+                flushed = asyncio.wait_for(engine.flush_cache(timeout_s=self.timeout_s), timeout=window_s)
                 await self._timed("flush-after-resume", engine, flushed)
             except Exception as exc:
-                return f"{engine.url}: prefix cache not flushed after the in_place resume: {exc or 'timed out'}"
+                why = str(exc) or f"requests still running after {window_s:g} s"
+                state.prefix_cache = f"not flushed: {why}"
+                return f"{engine.url}: prefix cache not flushed after the in_place resume: {why}"
+            state.prefix_cache = FLUSHED_AFTER_RESUME
             return None
 
         return [w for w in await asyncio.gather(*(flush(e) for e in engines)) if w is not None]
@@ -242,6 +257,7 @@ async def run_in_frame(
     clock: PhaseClock,
     sync_s: float,
     pause_mode: PauseMode,
+    in_place_flush_s: float = 0.5,
     after_failure: Callable[[], Awaitable[None]] | None = None,
     settle: Callable[[], Awaitable[None]] | None = None,
     before_resume: Callable[[Sequence[str]], Awaitable[list[str]]] | None = None,
@@ -270,7 +286,7 @@ async def run_in_frame(
                     run.warnings.append(f"before the resume: {exc}")
             await fleet.resume()
             if pause_mode is PauseMode.IN_PLACE:
-                run.warnings.extend(await fleet.flush_after_in_place_resume())
+                run.warnings.extend(await fleet.flush_after_in_place_resume(window_s=in_place_flush_s))
 
 
 def session_report(
@@ -299,6 +315,7 @@ def session_report(
             draft_digests=state.draft if "verify" in state.done else None,
             draft_guard=state.draft_guard,
             call_s=dict(state.call_s),
+            prefix_cache=state.prefix_cache,
         )
         for url, state in fleet.state.items()
     )

@@ -32,7 +32,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from miles_sync.sync.adapter import AdapterPayload
-from miles_sync.sync.frame import FleetSteps, PhaseClock, SessionRun, SessionTimeouts, run_in_frame, session_report
+from miles_sync.sync.frame import (
+    FLUSHED,
+    FleetSteps,
+    PhaseClock,
+    SessionRun,
+    SessionTimeouts,
+    run_in_frame,
+    session_report,
+)
 from miles_sync.sync.report import SyncReport
 from miles_sync.sync.verify import weights_digest
 from miles_sync.sync.weight_source import SendResult
@@ -101,6 +109,7 @@ async def run_lora_sync_session(
         clock=clock,
         sync_s=timeouts.sync_s,
         pause_mode=pause_mode,
+        in_place_flush_s=timeouts.in_place_flush_s,
         settle=settle,
     )
     return session_report(
@@ -130,6 +139,8 @@ class _LoraFlow:
             await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
             if pause_mode is not PauseMode.IN_PLACE:
                 await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
+                for state in fleet.state.values():
+                    state.prefix_cache = FLUSHED
         before = await self._base_digests("base-before") if verify else {}
         with clock.phase("export"):
             sent = await self._payload()

@@ -70,6 +70,11 @@ class EngineResult:
     # "verify-checksum", "resume", ...; a step run twice adds up), so a slow phase names its call and engine. The
     # send's per-bucket posts are the transport's and count in `PhaseTimes.send_s`.
     call_s: dict[str, float] = field(default_factory=dict)
+    # What the session did to its prefix (radix) cache: "flushed" (the session's /flush_cache while paused),
+    # "flushed with the updates" (every update request flushed it while paused), "flushed after the resume" (an
+    # in_place pause: a request-free moment came within the window), "not flushed: <why>" (in_place under load:
+    # prefixes cached with the old weights may be reused), or "" (the session sent no weights to it).
+    prefix_cache: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

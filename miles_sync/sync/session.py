@@ -57,6 +57,8 @@ from miles_sync.sync.draft_guard import (
 )
 from miles_sync.sync.engine_digests import FleetLayouts, plan_engine_digests, read_model_config
 from miles_sync.sync.frame import (
+    FLUSHED,
+    FLUSHED_WITH_UPDATES,
     RESET_STEP,
     FleetSteps,
     PhaseClock,
@@ -163,6 +165,7 @@ async def run_sync_session(
         clock=clock,
         sync_s=timeouts.sync_s,
         pause_mode=pause_mode,
+        in_place_flush_s=timeouts.in_place_flush_s,
         after_failure=lambda: _abandon(fleet, source=source, selector=run.selector, baselines=baselines or {}),
         before_resume=before_resume,
     )
@@ -222,12 +225,17 @@ async def _sync(
         # no flush here (SenderSettings.flush_cache: SGLang's /flush_cache costs a gc pass on a CPU server).
         if pause_mode is not PauseMode.IN_PLACE and not source.flushes_cache:
             await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
+            for state in fleet.state.values():
+                state.prefix_cache = FLUSHED
         if mechanism_check:
             await _snapshot_and_reset(fleet, selector=selector)
         await fleet.step("begin", lambda e: e.begin_weight_update(selector, timeout_s=t))
     with clock.phase("send"):
         fleet.attempted.add("send")  # from here on, an engine that does not complete may hold partial weights
         run.sent = await source.send(selector=selector, on_bucket=on_bucket, engine_digests=layouts.plan)
+        if source.flushes_cache:  # every update to every engine succeeded, each flushing as it loaded
+            for state in fleet.state.values():
+                state.prefix_cache = FLUSHED_WITH_UPDATES
     with clock.phase("finalize"):
         await fleet.step("end", lambda e: e.end_weight_update(timeout_s=t))
         await fleet.step("version", lambda e: e.update_weight_version(version, timeout_s=t))

@@ -209,6 +209,8 @@ def test_syncs_into_real_servers_are_verified_engine_exact(servers, source, chec
         expected = {"pause", "begin", "end", "version", "verify-checksum", "resume"}
         assert calls == [expected if flush_with_updates else expected | {"flush"}] * 2, calls
         assert all(s > 0 for e in report.engines for s in e.call_s.values())
+        outcome = "flushed with the updates" if flush_with_updates else "flushed"
+        assert [e.prefix_cache for e in report.engines] == [outcome] * 2
     for report, responses in zip(reports, answers):
         assert report.committed and report.error is None and report.selector is Selector.ALL
         assert report.verification == "engine-exact (sha256)", report

@@ -346,6 +346,7 @@ CONFIG_FIELDS = {
         "http_timeout_s": None,
         "collective_timeout_s": None,
         "sync_timeout_s": None,
+        "in_place_flush_s": None,
         "check_selector": None,
         "staged": None,
         "mechanism_check": None,
