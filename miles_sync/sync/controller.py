@@ -55,7 +55,13 @@ from miles_sync.sync.lora import adapter_name, run_lora_sync_session
 from miles_sync.sync.pipeline import stage_group_names
 from miles_sync.sync.report import BucketProgress, EngineResult, PhaseTimes, ProgressBar, SyncProgress, SyncReport
 from miles_sync.sync.routing import RouteAction, RouteChange, TrafficGate, apply_gate, plan_routing
-from miles_sync.sync.session import EngineBaseline, SelectorInputs, SessionTimeouts, run_sync_session
+from miles_sync.sync.session import (
+    EngineBaseline,
+    SelectorInputs,
+    SessionTimeouts,
+    flush_mode_problem,
+    run_sync_session,
+)
 from miles_sync.sync.weight_source import WeightSource
 from miles_sync.transport.base import TransportSpec, transport_spec
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership, plan_membership
@@ -835,11 +841,9 @@ def _checked_spec(
         problems.append(f"LoRA syncs need a source that answers adapters; {type(source).__name__} does not")
     if not lease_wait_s > 0:
         problems.append(f"lease_wait_s={lease_wait_s} must be positive")
-    if source.flushes_cache and pause_mode is PauseMode.IN_PLACE:
-        problems.append(
-            "pause_mode=in_place keeps requests running, and SGLang refuses the prefix-cache flush the source "
-            "sends with every update then (SenderSettings.flush_cache must be false for in_place)"
-        )
+    flush_problem = flush_mode_problem(source, pause_mode=pause_mode)
+    if flush_problem is not None:
+        problems.append(flush_problem)
     spec = None
     try:
         spec = transport_spec(transport)

@@ -185,6 +185,13 @@ class FleetSteps:
             or (url in self.held and not self.completed(url))
         )
 
+    async def flush_while_paused(self) -> None:
+        """/flush_cache on every engine (SessionError if any refused), each recorded as flushed: the pause emptied
+        them (abort, retract), so nothing on the new weights will reuse a prefix the old ones computed."""
+        await self.step("flush", lambda e: e.flush_cache(timeout_s=self.timeout_s))
+        for state in self.state.values():
+            state.prefix_cache = FLUSHED
+
     async def resume(self) -> None:
         """continue_generation on every engine a pause was sent to that may serve, whatever happened since;
         failures are recorded per engine and never raised (this runs in `finally`). A stale engine stays paused."""
@@ -257,7 +264,7 @@ async def run_in_frame(
     clock: PhaseClock,
     sync_s: float,
     pause_mode: PauseMode,
-    in_place_flush_s: float = 0.5,
+    in_place_flush_s: float,
     after_failure: Callable[[], Awaitable[None]] | None = None,
     settle: Callable[[], Awaitable[None]] | None = None,
     before_resume: Callable[[Sequence[str]], Awaitable[list[str]]] | None = None,

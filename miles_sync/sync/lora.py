@@ -32,15 +32,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from miles_sync.sync.adapter import AdapterPayload
-from miles_sync.sync.frame import (
-    FLUSHED,
-    FleetSteps,
-    PhaseClock,
-    SessionRun,
-    SessionTimeouts,
-    run_in_frame,
-    session_report,
-)
+from miles_sync.sync.frame import FleetSteps, PhaseClock, SessionRun, SessionTimeouts, run_in_frame, session_report
 from miles_sync.sync.report import SyncReport
 from miles_sync.sync.verify import weights_digest
 from miles_sync.sync.weight_source import SendResult
@@ -138,9 +130,7 @@ class _LoraFlow:
         with clock.phase("pause"):
             await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
             if pause_mode is not PauseMode.IN_PLACE:
-                await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
-                for state in fleet.state.values():
-                    state.prefix_cache = FLUSHED
+                await fleet.flush_while_paused()
         before = await self._base_digests("base-before") if verify else {}
         with clock.phase("export"):
             sent = await self._payload()

@@ -57,7 +57,6 @@ from miles_sync.sync.draft_guard import (
 )
 from miles_sync.sync.engine_digests import FleetLayouts, plan_engine_digests, read_model_config
 from miles_sync.sync.frame import (
-    FLUSHED,
     FLUSHED_WITH_UPDATES,
     RESET_STEP,
     FleetSteps,
@@ -214,19 +213,15 @@ async def _sync(
     if staged:  # before the pause: the engines keep generating while the next version is exported, packed, hashed
         with clock.phase("stage"):
             await source.stage(selector=selector, engine_digests=layouts.plan)
-    if source.flushes_cache and pause_mode is PauseMode.IN_PLACE:
-        raise ValueError(
-            "the source flushes the prefix cache with every update, which SGLang refuses while in_place-paused "
-            "requests run; an in_place sync needs a source without SenderSettings.flush_cache"
-        )
+    problem = flush_mode_problem(source, pause_mode=pause_mode)
+    if problem is not None:
+        raise ValueError(problem)
     with clock.phase("pause"):
         await fleet.step("pause", lambda e: e.pause_generation(pause_mode, timeout_s=t))
         # in_place keeps requests running: flushed after the resume. A source that flushes with its updates needs
         # no flush here (SenderSettings.flush_cache: SGLang's /flush_cache costs a gc pass on a CPU server).
         if pause_mode is not PauseMode.IN_PLACE and not source.flushes_cache:
-            await fleet.step("flush", lambda e: e.flush_cache(timeout_s=t))
-            for state in fleet.state.values():
-                state.prefix_cache = FLUSHED
+            await fleet.flush_while_paused()
         if mechanism_check:
             await _snapshot_and_reset(fleet, selector=selector)
         await fleet.step("begin", lambda e: e.begin_weight_update(selector, timeout_s=t))
@@ -246,6 +241,17 @@ async def _sync(
             await _verify_fleet(
                 fleet, sent=run.sent, selector=selector, layouts=layouts, draft_baselines=draft_baselines
             )
+
+
+def flush_mode_problem(source: WeightSource, *, pause_mode: PauseMode) -> str | None:
+    """Why `source` cannot serve `pause_mode`, or None: a source that flushes the prefix cache with every update
+    cannot serve in_place, whose running requests make SGLang refuse that flush (and fail the update). Pure."""
+    if source.flushes_cache and pause_mode is PauseMode.IN_PLACE:
+        return (
+            "pause_mode=in_place keeps requests running, and SGLang refuses the prefix-cache flush the source "
+            "sends with every update then (SenderSettings.flush_cache must be false for in_place)"
+        )
+    return None
 
 
 async def choose_selector(
