@@ -17,22 +17,19 @@ servers' starting version).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for launch.*
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the load tier's clients
+
+from generate_load import GenerateLoad, load_request, request_figures  # noqa: E402
 
 from launch.sglang_venv import SGLANG_VENV_PYTHON  # noqa: E402
 from miles_sync.engine.process import EngineLauncher  # noqa: E402
@@ -41,77 +38,7 @@ from miles_sync.engine.sglang import SGLangEngineSpec  # noqa: E402
 from miles_sync.env import read_environment  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-LOAD_REQUEST = {"input_ids": list(range(5, 21)), "sampling_params": {"max_new_tokens": 64, "temperature": 0.0}}
-REQUEST_TIMEOUT_S = 300.0
-
-
-class Load:
-    """`in_flight` clients per URL, each sending LOAD_REQUEST one after another until `stop` or `max_requests`,
-    on a thread of its own; every answer's status, latency, finish reason and weight-version spans are kept."""
-
-    def __init__(self, urls: list[str], *, in_flight: int, max_requests: int) -> None:
-        self.urls, self.in_flight, self.max_requests = urls, in_flight, max_requests
-        self.answers: list[dict] = []
-        self.stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.stop.set()
-        # After a failed job its engines stay held paused, and requests wait there: do not wait them out.
-        self._thread.join(timeout=5.0 if exc_type is not None else REQUEST_TIMEOUT_S + 10)
-
-    async def _run(self) -> None:
-        async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(self._client(session, u) for u in self.urls for _ in range(self.in_flight)))
-
-    async def _client(self, session: aiohttp.ClientSession, url: str) -> None:
-        for _ in range(self.max_requests):
-            if self.stop.is_set():
-                return
-            start = time.monotonic()
-            answer: dict = {"url": url}
-            try:
-                timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-                async with session.post(url + "/generate", json=LOAD_REQUEST, timeout=timeout) as response:
-                    answer["status"] = response.status
-                    body = await response.json(content_type=None)
-                meta = body.get("meta_info", {}) if isinstance(body, dict) else {}
-                finish = meta.get("finish_reason") or {}
-                answer["finish"] = finish.get("type") if isinstance(finish, dict) else str(finish)
-                answer["spans"] = [(s["version"], s["start"], s["end"]) for s in meta.get("weight_versions", [])]
-            except Exception as exc:  # a failed request is counted, never raised
-                answer["error"] = f"{type(exc).__name__}: {exc}"
-            answer["latency_s"] = time.monotonic() - start
-            self.answers.append(answer)
-
-
-def request_figures(answers: list[dict], *, committed: set[str]) -> dict:
-    """Counts, latencies and the version check of the concurrent requests (module docstring)."""
-    answered = [a for a in answers if a.get("status") == 200]
-    aborted = [a for a in answered if a.get("finish") == "abort"]
-    failed = [a for a in answers if a.get("status") != 200]
-    bad_versions = []
-    for a in answered:
-        versions = [v for v, start, end in a["spans"] if end > start]
-        numbers = [int(v) if v.isdigit() else -1 for v in versions]
-        if any(v not in committed for v in versions) or numbers != sorted(numbers):
-            bad_versions.append(a["spans"])
-    latencies = sorted(a["latency_s"] for a in answered)
-    return {
-        "requests": len(answers),
-        "answered": len(answered),
-        "aborted": len(aborted),
-        "failed": len(failed),
-        "failures": [a.get("error") or a.get("status") for a in failed][:5],
-        "spanning_versions": sum(1 for a in answered if len({v for v, s, e in a["spans"] if e > s}) > 1),
-        "bad_versions": len(bad_versions),
-        "latency_p50_s": statistics.median(latencies) if latencies else None,
-        "latency_max_s": latencies[-1] if latencies else None,
-    }
+LOAD_REQUEST = load_request(64)
 
 
 def run_job(urls: list[str], *, mode: str, rounds: int, out_dir: Path) -> dict:
@@ -161,12 +88,14 @@ def main(argv: list[str] | None = None) -> None:
                 server.start()
                 servers.append(server)
             urls = [s.url for s in servers]
-            with Load(urls, in_flight=args.in_flight, max_requests=args.max_requests) as load:
+            load = GenerateLoad(urls, in_flight=args.in_flight, request=LOAD_REQUEST, max_requests=args.max_requests)
+            with load:
                 report = run_job(urls, mode=mode, rounds=args.rounds, out_dir=Path(tmp) / "runs")
             rounds = [r for r in report["rounds"] if r.get("synced")]
             # The servers' launch version and every version a sync of this run committed (its starting sync's too).
             committed = {str(r["version"]) for r in rounds if r["committed"]} | {"default"}
-            committed |= set(re.findall(r"sync v(\S+) committed", report.get("starting_sync", "")))
+            committed |= set(re.findall(r"sync v(\S+) committed", report.get("starting_sync") or ""))
+            order = ["default", *sorted(committed - {"default"}, key=int)]
             results[mode] = {
                 "rounds": [
                     {
@@ -179,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                     }
                     for r in rounds
                 ],
-                "requests": request_figures(load.answers, committed=committed),
+                "requests": request_figures(load.answers, served_by_url=dict.fromkeys(urls, committed), order=order),
             }
             print(f"\n{mode}:")
             for r in results[mode]["rounds"]:

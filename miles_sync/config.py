@@ -113,9 +113,11 @@ class SyncConfig:
     http_timeout_s: float = 60.0
     collective_timeout_s: float = 120.0
     sync_timeout_s: float = 600.0  # one whole sync, pause to resume
-    # pause_mode=in_place: how long after the resume the sync keeps asking each engine to flush its prefix cache
-    # (SGLang refuses while a request runs; under steady load none ends in time, and the report says so per engine).
-    in_place_flush_s: float = 0.5
+    # pause_mode=in_place: the sync asks each engine once, after the resume, to flush its prefix cache, and retries
+    # a refusal (SGLang refuses while a request runs) for this long. Under steady load none ends in time and every
+    # retry window is time the training loop waits (0.5 s doubled an in_place sync here), so 0: one attempt. The
+    # report says per engine what happened to its cache.
+    in_place_flush_s: float = 0.0
     # Refuse a selector whose draft runner the export cannot feed (a frozen draft under `all`). Off only to
     # reproduce what systems without the check do (demo=frozen_draft_bug).
     check_selector: bool = True
@@ -173,10 +175,12 @@ class SyncConfig:
             problems.append(f"bucket_bytes={self.bucket_bytes} must be positive")
         if self.fp8_block is not None and (len(self.fp8_block) != 2 or not all(b > 0 for b in self.fp8_block)):
             problems.append(f"fp8_block={list(self.fp8_block)} must be two positive integers [rows, cols]")
-        for name in ("http_timeout_s", "collective_timeout_s", "sync_timeout_s", "in_place_flush_s"):
+        for name in ("http_timeout_s", "collective_timeout_s", "sync_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 problems.append(f"{name}={value} must be a positive number of seconds")
+        if not (self.in_place_flush_s >= 0 and math.isfinite(self.in_place_flush_s)):
+            problems.append(f"in_place_flush_s={self.in_place_flush_s} must be 0 or a positive number of seconds")
         raise_if(problems)
 
     @property

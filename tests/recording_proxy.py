@@ -7,7 +7,9 @@
 It forwards every request (method, path, query, headers, body) to the upstream server unchanged and records the
 method, path and JSON body; answers come back unchanged. It runs on a thread of its own with its own event loop.
 `proxy.delays` holds (path, predicate on the JSON body, seconds) rules: a matching request is held that long
-before it is forwarded (how a test reorders what engines receive).
+before it is forwarded (how a test reorders what engines receive). `proxy.rewrites` holds (path, function) rules:
+a matching request's JSON answer is replaced by the function's result (how a test makes one engine's answer
+wrong). Each record carries its arrival time (time.monotonic(), comparable across the proxies of one process).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,7 @@ class Recorded:
     method: str
     path: str
     body: Any  # parsed JSON, or None
+    at: float  # time.monotonic() on arrival
 
 
 class RecordingProxy:
@@ -39,6 +43,7 @@ class RecordingProxy:
         self.url = ""
         self.requests: list[Recorded] = []
         self.delays: list[tuple[str, Callable[[dict[str, Any]], bool], float]] = []
+        self.rewrites: list[tuple[str, Callable[[Any], Any]]] = []
 
     def requests_with(self, **fields: Any) -> list[Recorded]:
         """Recorded requests whose JSON body has every given field with the given value."""
@@ -55,7 +60,7 @@ class RecordingProxy:
             body = json.loads(raw) if raw.strip() else None
         except ValueError:
             body = None
-        self.requests.append(Recorded(request.method, request.path, body))
+        self.requests.append(Recorded(request.method, request.path, body, time.monotonic()))
         for path, matches, seconds in tuple(self.delays):
             if request.path == path and isinstance(body, dict) and matches(body):
                 await asyncio.sleep(seconds)
@@ -69,6 +74,9 @@ class RecordingProxy:
         ) as answer:
             payload = await answer.read()
             kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
+            for path, rewrite in tuple(self.rewrites):
+                if request.path == path:
+                    payload = json.dumps(rewrite(json.loads(payload))).encode()
             return web.Response(status=answer.status, body=payload, headers=kept)
 
 

@@ -245,9 +245,12 @@ class EngineClient:
         result = await self._control("/continue_generation", request, GenerationControlResult, timeout_s=timeout_s)
         self._check_status_ok("/continue_generation", result)
 
-    async def flush_cache(self, *, server_wait_s: float | None = None, timeout_s: float | None = None) -> None:
+    async def flush_cache(
+        self, *, server_wait_s: float | None = None, drain_s: float | None = None, timeout_s: float | None = None
+    ) -> None:
         """Flush the KV/prefix cache, retrying with back-off only while the engine answers 400 (requests still
-        running, which drain after a pause) and for at most `flush_drain_s`; any other failure raises at once.
+        running, which drain after a pause) and for at most `drain_s` (None: the client's `flush_drain_s`; 0: one
+        attempt); any other failure raises at once.
 
         `server_wait_s`: how long the engine itself may wait for running requests per call (its `timeout` query
         parameter; None: the engine's default, an immediate answer). Each call is bounded by `timeout_s` on top.
@@ -255,7 +258,8 @@ class EngineClient:
         call_s = self.timeout_s if timeout_s is None else timeout_s
         call_s += 0.0 if server_wait_s is None else server_wait_s
         params = {} if server_wait_s is None else {"timeout": str(server_wait_s)}
-        deadline = time.monotonic() + self._flush_drain_s
+        drain_s = self._flush_drain_s if drain_s is None else drain_s
+        deadline = time.monotonic() + drain_s
         delay_s, max_delay_s = self._flush_backoff_s
         while True:
             async with self._lock():
@@ -264,7 +268,8 @@ class EngineClient:
                 return
             remaining_s = deadline - time.monotonic()
             if status != 400 or remaining_s <= 0:
-                drained = "" if status != 400 else f" (requests still running after {self._flush_drain_s} s)"
+                drained = f" (requests still running after {drain_s:g} s)" if drain_s else " (requests running)"
+                drained = drained if status == 400 else ""
                 raise EngineError(url=self.url, endpoint="/flush_cache", status=status, message=body + drained)
             await asyncio.sleep(min(delay_s, remaining_s))
             delay_s = min(delay_s * 2, max_delay_s)

@@ -54,16 +54,17 @@ class SessionError(RuntimeError):
 class SessionTimeouts:
     """`control_s` bounds each control call to one engine; `sync_s` the whole session from the selector to the
     verification (the resume that follows gets its own `control_s`); `in_place_flush_s` how long, after an in_place
-    resume, the session keeps asking an engine to flush its prefix cache (SGLang refuses while any request runs,
-    which under steady load is always: the sync's result waits this long at most, not `control_s`)."""
+    resume, the session keeps retrying an engine's refused prefix-cache flush (SGLang refuses while any request
+    runs, which under steady load is always, and the sync's result waits for it; 0: one attempt, no retry)."""
 
     control_s: float
     sync_s: float
-    in_place_flush_s: float = 0.5
+    in_place_flush_s: float = 0.0
 
     def __post_init__(self) -> None:
-        values = (("control_s", self.control_s), ("sync_s", self.sync_s), ("in_place_flush_s", self.in_place_flush_s))
-        bad = [f"{n}={v}" for n, v in values if not v > 0]
+        bad = [f"{n}={v}" for n, v in (("control_s", self.control_s), ("sync_s", self.sync_s)) if not v > 0]
+        if not self.in_place_flush_s >= 0:
+            bad.append(f"in_place_flush_s={self.in_place_flush_s} (may be 0)")
         if bad:
             raise ValueError(f"session timeouts must be positive: {', '.join(bad)}")
 
@@ -202,20 +203,20 @@ class FleetSteps:
 
     async def flush_after_in_place_resume(self, *, window_s: float) -> list[str]:
         """An in_place pause keeps requests running, and SGLang refuses to flush its prefix cache while any runs,
-        so the cache is flushed once they let it (the client retries while the engine answers 400), for at most
-        `window_s`: under steady load no request-free moment comes, and the sync must not stall on it. Where it
-        was not flushed, cached prefixes computed with the old weights may be reused (as in_place's running
-        requests reuse their own KV). Records the outcome per engine and returns a warning per engine that could
-        not be flushed; never raises."""
+        so the cache is flushed only if they let it: one attempt, retried while the engine answers 400 for at most
+        `window_s` (0: none). Under steady load no request-free moment comes, and the sync must not stall on it
+        (each retry window is time the training loop waits). Where it was not flushed, cached prefixes computed
+        with the old weights may be reused (as in_place's running requests reuse their own KV). Records the
+        outcome per engine and returns a warning per engine that could not be flushed; never raises."""
         engines = [e for e in self.engines if "resume" in self.state[e.url].done and "send" in self.attempted]
 
         async def flush(engine: EngineAPI) -> str | None:
             state = self.state[engine.url]
             try:
-                flushed = asyncio.wait_for(engine.flush_cache(timeout_s=self.timeout_s), timeout=window_s)
+                flushed = engine.flush_cache(drain_s=window_s, timeout_s=self.timeout_s)
                 await self._timed("flush-after-resume", engine, flushed)
             except Exception as exc:
-                why = str(exc) or f"requests still running after {window_s:g} s"
+                why = str(exc) or type(exc).__name__
                 state.prefix_cache = f"not flushed: {why}"
                 return f"{engine.url}: prefix cache not flushed after the in_place resume: {why}"
             state.prefix_cache = FLUSHED_AFTER_RESUME

@@ -477,7 +477,7 @@ class MemoryEngine:
     async def pause_generation(self, mode, *, timeout_s=None):
         return None
 
-    async def flush_cache(self, *, server_wait_s=None, timeout_s=None):
+    async def flush_cache(self, *, server_wait_s=None, drain_s=None, timeout_s=None):
         return None
 
     async def begin_weight_update(self, selector, *, timeout_s=None):

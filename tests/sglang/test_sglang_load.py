@@ -1,0 +1,300 @@
+"""Syncs into two real SGLang 0.5.23 CPU servers while clients keep requests in flight on them (tests/
+generate_load.py: two clients per server, each sending a 32-token greedy /generate after another), in every pause
+mode, through the controller class with a sender process, real gloo groups and HTTP on loopback.
+
+What each mode promises, and what is asserted per request:
+
+- retract and in_place: every request is answered, none aborted; every token is tagged with a version that a sync
+  verified on that server (or the servers' starting version), the spans in sync order; some requests span two
+  versions (the syncs really ran under them). No request waits longer than the syncs it overlapped plus SLACK_S.
+- abort: every request is answered (200), either complete or with SGLang's finish reason "abort"; some are aborted.
+- a sync whose verification fails under retract holds both servers paused: the requests it retracted wait, and
+  complete after the next verified sync, tagged only with that sync's version (never the failed one's, which the
+  servers were told before the verification failed).
+- behind the SGLang router, a live server held by a failed verification leaves the router before the other server
+  resumes, and no routed request reaches it after that.
+
+Every sync is verified engine-exact; every server sits behind a recording proxy (tests/recording_proxy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import pytest
+from generate_load import Answer, GenerateLoad, load_request, version_problem
+from recording_proxy import recording_proxy
+from sender_host import SenderSettings
+from sglang_server import enter_together, sglang_server
+
+from miles_sync.engine.router import RouterClient, RouterProcess, RouterSpec
+from miles_sync.export.registry import ConversionMode
+from miles_sync.sync.controller import SyncController
+from miles_sync.sync.report import SyncReport
+from miles_sync.sync.selector import SelectorMode
+from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.wire.protocol import PauseMode
+
+BUCKET_BYTES = 512 * 1024
+TIMEOUTS = SessionTimeouts(control_s=30.0, sync_s=120.0)
+NO_DRAFT = SelectorInputs(
+    mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
+)
+REQUEST = load_request(32)
+IN_FLIGHT = 2  # clients per server
+SLACK_S = 15.0  # beyond the syncs it overlapped: an unloaded 32-token request takes ~0.3 s here; CI's 2 cores are noisy
+FLOW_TIMEOUT_S = 120.0
+STARTING_VERSION = "default"  # what a freshly launched SGLang server reports
+
+
+@pytest.fixture(scope="module")
+def servers(reference_checkpoints, sglang_python, tmp_path_factory):
+    """Two real servers, each behind a recording proxy: the proxies."""
+    log_dir = tmp_path_factory.mktemp("sglang-load")
+    model = reference_checkpoints / "target"
+    with contextlib.ExitStack() as stack:
+        launchers = enter_together(
+            stack, *(sglang_server(model=model, python=sglang_python, log_dir=log_dir) for _ in range(2))
+        )
+        yield [stack.enter_context(recording_proxy(launcher.url)) for launcher in launchers]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One sync call's wall time (time.monotonic()) and report."""
+
+    start: float
+    end: float
+    report: SyncReport
+
+
+class Fleet:
+    """The module's servers, the versions each was verified at (its starting version first), in sync order."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.order = [STARTING_VERSION]
+        self.served = {u: {STARTING_VERSION} for u in urls}
+
+    def record(self, report: SyncReport) -> None:
+        self.order.append(report.version)
+        for engine in report.engines:
+            if engine.success:
+                self.served[engine.url].add(report.version)
+
+
+@pytest.fixture(scope="module")
+def fleet(servers) -> Fleet:
+    return Fleet([proxy.url for proxy in servers])
+
+
+def controller(urls, source, mode: PauseMode, *, gate=None) -> SyncController:
+    return SyncController(
+        engine_urls=urls,
+        source=source,
+        transport="distributed",
+        selector_inputs=NO_DRAFT,
+        pause_mode=mode,
+        verify=True,
+        timeouts=TIMEOUTS,
+        show_progress=False,
+        gate=gate,
+    )
+
+
+def settings(mode: PauseMode, **kwargs) -> SenderSettings:
+    # abort and retract empty the servers, so the updates flush the prefix cache (the main job's choice); in_place
+    # keeps requests running, and SGLang's update-time flush would fail on them.
+    return SenderSettings(
+        transport="distributed",
+        bucket_bytes=BUCKET_BYTES,
+        include_mtp=False,
+        flush_cache=mode is not PauseMode.IN_PLACE,
+        **kwargs,
+    )
+
+
+async def timed_sync(ctl: SyncController, fleet: Fleet, *, raise_on_failure: bool = True) -> Window:
+    start = time.monotonic()
+    report = await ctl.sync(raise_on_failure=raise_on_failure)
+    window = Window(start, time.monotonic(), report)
+    fleet.record(report)
+    return window
+
+
+def overlapped_s(answer: Answer, windows: list[Window]) -> float:
+    """Seconds of the syncs whose wall time overlapped the request's."""
+    return sum(w.end - w.start for w in windows if w.start < answer.answered_at and w.end > answer.sent_at)
+
+
+async def wait_flowing(load: GenerateLoad, *, since: float) -> None:
+    await asyncio.to_thread(load.wait_for_answers, per_url=IN_FLIGHT, since=since, timeout_s=FLOW_TIMEOUT_S)
+
+
+def assert_versions_true(answers: list[Answer], fleet: Fleet) -> None:
+    problems = [p for a in answers if (p := version_problem(a, served=fleet.served[a.url], order=fleet.order))]
+    assert not problems, problems[:5]
+
+
+@pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.IN_PLACE, PauseMode.ABORT], ids=lambda m: m.value)
+def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
+    """Two verified syncs while requests run (module docstring, per mode); the figures are printed (-s)."""
+
+    async def main():
+        await source.call("configure", settings(mode))
+        ctl = controller(fleet.urls, source, mode)
+        await ctl.connect()
+        windows = []
+        try:
+            with GenerateLoad(fleet.urls, in_flight=IN_FLIGHT, request=REQUEST) as load:
+                await wait_flowing(load, since=0.0)
+                for step in (1, 2):
+                    await source.call("step", step + 10 * list(PauseMode).index(mode))
+                    windows.append(await timed_sync(ctl, fleet))
+                    await wait_flowing(load, since=windows[-1].end)  # serving again, at the new version
+                load.stop(wait_s=FLOW_TIMEOUT_S)
+        finally:
+            await ctl.close()
+        return windows, list(load.answers)
+
+    windows, answers = asyncio.run(main())
+    for window in windows:
+        report = window.report
+        assert report.committed and report.verification == "engine-exact (sha256)", report.summary()
+    failed = [(a.status, a.error) for a in answers if a.status != 200]
+    assert not failed, failed[:5]
+    aborted = [a for a in answers if a.finish == "abort"]
+    complete = [a for a in answers if a.finish != "abort"]
+    assert all(a.finish == "length" and a.spans and a.spans[-1][2] == 32 for a in complete), complete[:3]
+    assert_versions_true(complete, fleet)
+    slow = [(a.latency_s, s) for a in answers if a.latency_s > (s := overlapped_s(a, windows)) + SLACK_S]
+    assert not slow, slow
+    spanning = [a for a in complete if len(set(a.versions)) > 1]
+    if mode is PauseMode.ABORT:
+        assert aborted, "no request was in flight when an abort-mode pause ran"
+    else:
+        assert not aborted, aborted[:3]
+        assert spanning, "no request spans a sync: none was in flight when the syncs ran"
+    pauses = ", ".join(f"{w.report.phases.pause_s:.3f}" for w in windows)
+    resumes = ", ".join(f"{w.report.phases.resume_s:.3f}" for w in windows)
+    syncs = ", ".join(f"{w.end - w.start:.3f}" for w in windows)
+    latencies = sorted(a.latency_s for a in answers)
+    print(
+        f"\n[load] {mode.value}: sync_s {syncs}; pause_s {pauses}; resume_s {resumes}; {len(answers)} requests,"
+        f" {len(aborted)} aborted, {len(spanning)} spanning versions;"
+        f" latency p50 {latencies[len(latencies) // 2]:.3f} s max {latencies[-1]:.3f} s"
+    )
+
+
+def test_requests_retracted_by_a_failed_sync_wait_and_complete_at_the_next_verified_version(fleet, source):
+    """retract under load; the source drops a tensor, so bytes land and the verification fails on both servers.
+    Both stay paused with the requests the pause retracted, although each was told the failed version before the
+    verification; those requests complete after the next verified sync, every token tagged with a version verified
+    on its server (mutation: the frame resumes held engines, and the failed version shows in the spans)."""
+
+    async def main():
+        await source.call("configure", settings(PauseMode.RETRACT, skip_names=("model.norm.weight",)))
+        ctl = controller(fleet.urls, source, PauseMode.RETRACT)
+        await ctl.connect()
+        try:
+            with GenerateLoad(fleet.urls, in_flight=IN_FLIGHT, request=REQUEST) as load:
+                await wait_flowing(load, since=0.0)
+                await source.call("step", 40)
+                failed = await timed_sync(ctl, fleet, raise_on_failure=False)
+                held = dict(ctl.held_engines)
+                await source.call("configure", settings(PauseMode.RETRACT))
+                await source.call("step", 41)
+                recovered = await timed_sync(ctl, fleet)
+                await wait_flowing(load, since=recovered.end)
+                load.stop(wait_s=FLOW_TIMEOUT_S)
+        finally:
+            await ctl.close()
+        return failed, held, recovered, list(load.answers)
+
+    failed, held, recovered, answers = asyncio.run(main())
+    assert not failed.report.committed and "verification failed" in failed.report.error, failed.report.summary()
+    assert sorted(held) == sorted(fleet.urls)
+    assert all(e.weight_version == failed.report.version for e in failed.report.engines)  # told before the verdict
+    # Held paused: nothing completes until the recovery resumes (an answer then would be from unverified weights).
+    answered_while_held = [a for a in answers if failed.end < a.answered_at < recovered.end]
+    assert not answered_while_held, answered_while_held
+    assert recovered.report.committed and recovered.report.verification == "engine-exact (sha256)"
+    assert all(a.status == 200 and a.finish == "length" for a in answers), [a for a in answers if a.status != 200][:3]
+    # The requests in flight across the failed sync: retracted by its pause, answered only after the recovery.
+    across = [a for a in answers if a.sent_at < failed.end < a.answered_at]
+    assert len(across) == len(fleet.urls) * IN_FLIGHT, across
+    assert all(a.answered_at > recovered.start for a in across)
+    assert all(a.versions[-1] == recovered.report.version for a in across), [a.spans for a in across]
+    assert_versions_true(answers, fleet)
+    assert all(failed.report.version not in a.versions for a in answers)
+
+
+def break_checksum(answer: dict) -> dict:
+    """The checker's answer with one parameter's digest changed: this server's verification fails."""
+    checksums = answer["ranks"][0]["checksums"]
+    checksums["model.norm.weight"] = "0" * len(checksums["model.norm.weight"])
+    return answer
+
+
+def test_a_live_server_held_by_its_verification_leaves_the_router_before_the_other_resumes(
+    servers, fleet, source, sglang_python, tmp_path
+):
+    """sglang-router 0.3.2 in front of both servers, the load sent to the router. In one retract sync the first
+    server's checker answer is made wrong (its proxy rewrites one digest): that server is held while the second,
+    verified, resumes. The router's withdrawal of the first server (DELETE /workers/..., seen by a recording proxy
+    in front of the router) comes before the second server's /continue_generation, and no /generate reaches the
+    held server after it (mutation: withdrawing after the resume). The next sync verifies and relists it."""
+    held_proxy, live_proxy = servers
+    process = RouterProcess(spec=RouterSpec(python=str(sglang_python)), log_dir=tmp_path)
+    router_url = process.start().url
+
+    async def main(router_proxy):
+        gate = RouterClient(router_proxy.url)
+        await source.call("configure", settings(PauseMode.RETRACT))
+        ctl = controller(fleet.urls, source, PauseMode.RETRACT, gate=gate)
+        try:
+            await ctl.connect()
+            await source.call("step", 50)
+            await timed_sync(ctl, fleet)  # both verified, both listed
+            listed = sorted(await gate.worker_urls())
+            with GenerateLoad([router_url], in_flight=2 * IN_FLIGHT, request=REQUEST) as load:
+                await asyncio.to_thread(load.wait_for_answers, per_url=4, timeout_s=FLOW_TIMEOUT_S)
+                held_proxy.rewrites.append(("/weights_checker", break_checksum))
+                await source.call("step", 51)
+                split = await timed_sync(ctl, fleet, raise_on_failure=False)
+                held_proxy.rewrites.clear()
+                held = dict(ctl.held_engines)
+                listed_after = await gate.worker_urls()
+                await asyncio.to_thread(load.wait_for_answers, per_url=4, since=split.end, timeout_s=FLOW_TIMEOUT_S)
+                await source.call("step", 52)
+                recovered = await timed_sync(ctl, fleet)
+                relisted = sorted(await gate.worker_urls())
+                load.stop(wait_s=FLOW_TIMEOUT_S)
+        finally:
+            await ctl.close()
+            for url in fleet.urls:
+                with contextlib.suppress(Exception):
+                    await gate.withdraw(url)
+            await gate.close()
+        return listed, split, held, listed_after, recovered, relisted, list(load.answers)
+
+    try:
+        with recording_proxy(router_url) as router_proxy:
+            listed, split, held, listed_after, recovered, relisted, answers = asyncio.run(main(router_proxy))
+    finally:
+        process.stop()
+    assert listed == sorted(fleet.urls) and relisted == sorted(fleet.urls)
+    report = split.report
+    assert [e.success for e in report.engines] == [False, True], report.summary()
+    assert list(held) == [held_proxy.url] and listed_after == (live_proxy.url,)
+    withdrawals = [r.at for r in router_proxy.requests if r.method == "DELETE" and split.start < r.at < split.end]
+    resumes = [r.at for r in live_proxy.requests if r.path == "/continue_generation" and split.start < r.at < split.end]
+    assert len(withdrawals) == 1 and len(resumes) == 1, (withdrawals, resumes)
+    assert withdrawals[0] < resumes[0], "the held server left the router after the other server resumed"
+    reached = [r.at for r in held_proxy.requests if r.path == "/generate" and withdrawals[0] < r.at < recovered.start]
+    assert not reached, f"{len(reached)} routed requests reached the held server after its withdrawal"
+    assert recovered.report.committed and recovered.report.verification == "engine-exact (sha256)"
+    assert all(a.status == 200 and a.finish == "length" for a in answers), [a for a in answers if a.status != 200][:3]
