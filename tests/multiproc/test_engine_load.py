@@ -104,10 +104,10 @@ def expected_output(request_id: int) -> tuple[int, ...]:
 class _LoadProgress:
     """Requests sent, answers received and syncs started so far; both sides wait on it. The requests come in
     NUM_SYNCS + 1 segments: segment k (k > 0) starts arriving once sync k - 1 started (so some arrive during its
-    pause), and sync k starts once segment k is sent and one of its requests completed after sync k - 1 ended. So
-    each sync lands inside the load (segment k's latest requests are in flight when it pauses), every version
-    serves whole requests, and the last segment completes under the last version, on a fast machine or a loaded
-    one: nothing depends on how long a request or a sync takes."""
+    pause), and sync k starts once segment k is sent and one of its requests completed after sync k - 1 ended, or
+    once all of segment k is answered. So each sync lands inside the load (segment k's latest requests are in
+    flight when it pauses), every version serves whole requests, and the last segment completes under the last
+    version, on a fast machine or a loaded one: nothing depends on how long a request or a sync takes."""
 
     def __init__(self) -> None:
         self.num_sent = 0
@@ -137,10 +137,12 @@ class _LoadProgress:
 
     async def wait_for_sync(self, k: int, *, previous_end: float) -> None:
         def is_due() -> bool:
-            served = any(
-                a.request_id >= k * _SEGMENT and a.answered_at >= previous_end and is_complete(a) for a in self.answers
-            )
-            return served and self.num_sent >= (k + 1) * _SEGMENT
+            segment = [a for a in self.answers if k * _SEGMENT <= a.request_id < (k + 1) * _SEGMENT]
+            served = any(a.answered_at >= previous_end and is_complete(a) for a in segment)
+            # An in_place sync ends up to in_place_flush_s after its resume (the post-resume cache flush is retried
+            # while requests run): time enough to serve all of a segment that queued during its pause, after which
+            # no answer is left to come after the sync's end.
+            return self.num_sent >= (k + 1) * _SEGMENT and (served or len(segment) == _SEGMENT)
 
         async with self._changed:
             await self._changed.wait_for(is_due)
@@ -315,3 +317,23 @@ def test_200_requests_across_3_abort_syncs_report_aborts_and_lose_nothing_else(e
         check_versions(a, order=order, windows=windows)
     seen = {a.response.meta_info.weight_version for a in completed}
     assert len(seen) > 1, f"every completed answer came from version(s) {seen}: the syncs missed the load"
+
+
+def test_200_requests_across_3_in_place_syncs_continue_every_request(engines, source):
+    answers, windows, initial, served = asyncio.run(
+        run_load([e.url for e in engines], source, pause_mode=PauseMode.IN_PLACE, first_step=7)
+    )
+    flat = check_one_answer_each(answers)
+    order = [initial, *check_syncs(windows, served=served)]
+    # in_place aborts nothing: a request running at the pause stays in the batch with its tokens and continues
+    # under the new weights after the resume (the spanning ones below).
+    for a in flat:
+        assert a.response.meta_info.finish_reason.type is FinishReasonKind.LENGTH, (a.request_id, a.response)
+        assert a.response.output_ids == expected_output(a.request_id)
+        check_versions(a, order=order, windows=windows)
+    spanning = [a for a in flat if len(a.response.meta_info.token_versions) > 1]
+    assert spanning, "no request was paused mid-generation and continued under a newer version"
+    # Each engine's prefix cache was flushed after the resume, or the report says why not (requests still running).
+    for report in (w.report for w in windows):
+        for e in report.engines:
+            assert e.prefix_cache == "flushed after the resume" or e.prefix_cache.startswith("not flushed:"), e
