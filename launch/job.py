@@ -5,6 +5,11 @@
                 synced version (each sample tagged with the version that produced it) -> the trainer recomputes
                 the sampled tokens' log-probs, compared with the engines' (train/rollout agreement)
 
+With `rollout.overlap` (Miles' async mode) round r's rollouts start before its GRPO step, on the version the
+engines serve, and run through the step and the sync (retract or in_place keep them): their tokens come from that
+version and, after the sync, from the new one; the record counts each version's tokens (`tokens_by_version`) and
+compares only the new version's log-probs with the trainer's.
+
 With `sync.enabled` false (the control run) every round trains the same way but skips the sync: the engines keep
 serving the checkpoint, and the log-prob gap shows how far the trainer's weights have moved from them.
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -134,6 +140,8 @@ class _Fleet:
         self._controller = actors.controller
         self._log = log
         self._sync_timeout_s = config.sync.sync_timeout_s + _ROUND_MARGIN_S
+        # Overlapped rollouts run through a step and a sync: they may take both, and each request its own timeout.
+        self._rollout_timeout_s = self._sync_timeout_s * 2 + config.sync.http_timeout_s
         # sync.mode=lora: rollouts name the adapter of the last committed version (adapter_name) once a sync loaded
         # one (before that the engines serve the base, which a fresh adapter, B = 0, leaves unchanged).
         self._lora_path: str | None = None
@@ -185,14 +193,19 @@ class _Fleet:
             lora_path=self._lora_path,
         )
 
-    def rollout_stats(self, samples: Sequence[Sample], *, version: str) -> RolloutStats:
-        """What `samples` show, with the trainer's log-probs of every sampled token under its current weights."""
+    def rollout_stats(self, samples: Sequence[Sample], *, version: str, earlier: str | None = None) -> RolloutStats:
+        """What `samples` show, with the trainer's log-probs of every sampled token under its current weights
+        (`earlier`: the version overlapped rollouts started under; miles_sync.job.rollouts.rollout_stats)."""
         batch = score_batch(samples, temperature=self._config.rollout.temperature)
         scored = self._trainers.completion_logprobs(batch, timeout_s=self._sync_timeout_s)
         urls = self._urls if self._router is None else (self._router.url,)  # behind a router: one reward
-        return rollout_stats(samples, scored, urls=urls, version=version)
+        return rollout_stats(samples, scored, urls=urls, version=version, earlier=earlier)
 
     def round(self, index: int, previous: Sequence[Sample]) -> tuple[RoundRecord, list[Sample]]:
+        # rollout.overlap: this round's rollouts start now, on the weights the engines serve, and run through the
+        # step and the sync (which retracts or keeps them, never aborts them); otherwise they start after the sync.
+        early = _Background(lambda: self.rollouts(index)) if self._config.rollout.overlap else None
+        earlier = self.weight_version() if early is not None else None
         steps = self._trainers.train_step(grpo_batch(previous), timeout_s=self._sync_timeout_s)
         losses = {s.loss for s in steps}
         if len(losses) != 1:  # tensor-parallel ranks compute one loss; anything else is a broken group
@@ -201,7 +214,7 @@ class _Fleet:
         joined = self._join(index)
         if not self._config.sync.enabled:  # the control run: the engines keep what they serve
             version = self.weight_version()
-            samples = self.rollouts(index)
+            samples = self.rollouts(index) if early is None else early.result(self._rollout_timeout_s)
             stats = self.rollout_stats(samples, version=version)
             return unsynced_round_record(index, version=version, loss=loss, trainer_step=step, rollouts=stats), samples
         report = self._sync_with_progress()
@@ -211,10 +224,14 @@ class _Fleet:
         # A canary in hold mode paused the engines it flagged: no rollouts go to them, and the run stops.
         is_held = bool(report.canary_flagged) and self._config.sync.draft_canary is CanaryMode.HOLD
         if not report.committed or is_held:
+            # Overlapped rollouts on held engines wait there; the run stops (why_stop), and they end with it.
             self._log(report.summary())
             return replace(round_record(index, report, loss=loss, trainer_step=step, rollouts=None), **routing), []
-        samples = self.rollouts(index)
-        stats = self.rollout_stats(samples, version=report.version)
+        samples = self.rollouts(index) if early is None else early.result(self._rollout_timeout_s)
+        stats = self.rollout_stats(samples, version=report.version, earlier=earlier)
+        if early is not None:
+            counts = ", ".join(f"{'v' if v.isdigit() else ''}{v}: {n}" for v, n in stats.tokens_by_version)
+            self._log(f"  round {index}: rollouts overlapped the step and the sync; sampled tokens {counts}")
         return replace(round_record(index, report, loss=loss, trainer_step=step, rollouts=stats), **routing), samples
 
     def _join(self, index: int) -> tuple[str, ...]:
@@ -264,6 +281,34 @@ class _Fleet:
                     raise TimeoutError(f"the sync did not return within {self._sync_timeout_s} s")
         finally:
             bar.close()
+
+
+class _Background:
+    """`work()` on a daemon thread of its own (a run that stops does not wait for it); `result` waits for it, at
+    most `timeout_s`, and raises what it raised."""
+
+    def __init__(self, work: Callable[[], list[Sample]]) -> None:
+        self._work = work
+        self._value: list[Sample] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="overlapped-rollouts", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._work()
+        except BaseException as exc:  # raised again in the caller's thread by result()
+            self._error = exc
+
+    def result(self, timeout_s: float) -> list[Sample]:
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the overlapped rollouts did not finish within {timeout_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+        if self._value is None:
+            raise RuntimeError("the overlapped rollouts ended without samples")
+        return self._value
 
 
 @contextlib.contextmanager

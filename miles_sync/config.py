@@ -410,6 +410,11 @@ class RolloutConfig:
     router: bool = False
     router_url: str | None = None  # a router the user runs; None: the job starts one (rollout.router=true)
     router_policy: str = "round_robin"  # the router's load-balancing policy (a router the job starts)
+    # Start each round's rollouts before the trainer's step on the previous round's, so they run while it trains
+    # and while the sync changes the weights under them (Miles' async mode). Samples are then off-policy by up to
+    # one step: tokens before the sync come from the previous version, after it from the new one (the report
+    # counts the tokens of each). Needs sync.pause_mode retract or in_place (abort would abort them).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         counts = {
@@ -521,6 +526,17 @@ class MilesSyncConfig:
                 problems.append(
                     f"engines.join_at_round with sync.transport={self.sync.transport.value}: the joiner is launched "
                     "outside the placement groups, with no trainer rank beside it to feed it; use distributed"
+                )
+        if self.rollout.overlap:
+            if self.sync.pause_mode is PauseMode.ABORT:
+                problems.append(
+                    "rollout.overlap keeps rollouts running through the sync: sync.pause_mode=abort would abort them "
+                    "(use retract or in_place)"
+                )
+            if self.sync.mode is SyncMode.LORA:
+                problems.append(
+                    "rollout.overlap with sync.mode=lora: rollouts name the adapter of one version, and the sync "
+                    "replaces it under them"
                 )
         if self.engines.kind is EngineKind.SGLANG and not self.engines.urls:  # what the launched servers would refuse
             problems += [

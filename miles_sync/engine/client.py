@@ -270,7 +270,7 @@ class EngineClient:
             if status != 400 or remaining_s <= 0:
                 drained = f" (requests still running after {drain_s:g} s)" if drain_s else " (requests running)"
                 drained = drained if status == 400 else ""
-                raise EngineError(url=self.url, endpoint="/flush_cache", status=status, message=body + drained)
+                raise EngineError(url=self.url, endpoint="/flush_cache", status=status, message=body.strip() + drained)
             await asyncio.sleep(min(delay_s, remaining_s))
             delay_s = min(delay_s * 2, max_delay_s)
 

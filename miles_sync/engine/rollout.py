@@ -13,7 +13,7 @@ from miles_sync.engine.kinds import EngineSpec
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.env import LOOPBACK_HOST
 from miles_sync.wire.api import EngineError
-from miles_sync.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams
+from miles_sync.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams, WeightVersionSpan
 
 __all__ = ["RolloutWorker", "Sample", "generate_samples"]
 
@@ -30,6 +30,23 @@ class Sample:
     # The engine's logprob of each output token (SGLang's meta_info.output_token_logprobs, the logprob of each
     # triple): log_softmax of the target's temperature-scaled logits, before top-p. None unless requested.
     output_logprobs: tuple[float, ...] | None = None
+    # The versions that produced the output tokens, as SGLang's meta_info.weight_versions spans (oldest first);
+    # more than one when a sync changed the weights while the request ran (retract, in_place).
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
+
+    def token_versions(self) -> tuple[str, ...]:
+        """The version of each output token: the spans', or `weight_version` for all where the engine sent none."""
+        if not self.weight_versions:
+            return (self.weight_version,) * len(self.output_ids)
+        versions = tuple(s.version for s in self.weight_versions for _ in range(s.start, s.end))
+        if len(versions) != len(self.output_ids):
+            raise EngineError(
+                url=self.engine_url,
+                endpoint="/generate",
+                status=200,
+                message=f"weight_versions spans cover {len(versions)} tokens, the output has {len(self.output_ids)}",
+            )
+        return versions
 
 
 async def generate_samples(
@@ -62,6 +79,7 @@ async def generate_samples(
             weight_version=r.meta_info.weight_version,
             spec_accept_length=r.meta_info.spec_accept_length,
             output_logprobs=_output_logprobs(r, url=client.url) if return_logprob else None,
+            weight_versions=r.meta_info.weight_versions,
         )
         for prompt, r in zip(prompts, responses)
     )
@@ -72,13 +90,21 @@ def _output_logprobs(response: GenerateResponse, *, url: str) -> tuple[float, ..
     triples for other tokens, would silently misalign a trainer's ratios)."""
     triples = response.meta_info.output_token_logprobs
     if triples is None:
-        raise EngineError(f"{url}/generate: asked for return_logprob but meta_info has no output_token_logprobs")
+        raise EngineError(
+            url=url,
+            endpoint="/generate",
+            status=200,
+            message="asked for return_logprob, meta_info has no output_token_logprobs",
+        )
     ids = tuple(token for _, token, _ in triples)
     values = tuple(logprob for logprob, _, _ in triples)
     if ids != response.output_ids or any(v is None for v in values):
         raise EngineError(
-            f"{url}/generate: output_token_logprobs ({len(triples)} triples) do not match the "
-            f"{len(response.output_ids)} output ids one to one"
+            url=url,
+            endpoint="/generate",
+            status=200,
+            message=f"output_token_logprobs ({len(triples)} triples) do not match the {len(response.output_ids)} "
+            "output ids one to one",
         )
     return values
 

@@ -78,24 +78,43 @@ def score_batch(samples: Sequence[Sample], *, temperature: float) -> ScoreBatch:
 
 
 def rollout_stats(
-    samples: Sequence[Sample], scored: CompletionLogprobs, *, urls: Sequence[str], version: str
+    samples: Sequence[Sample],
+    scored: CompletionLogprobs,
+    *,
+    urls: Sequence[str],
+    version: str,
+    earlier: str | None = None,
 ) -> RolloutStats:
     """Reward, accept length and train/rollout log-prob agreement of `samples`, given the trainer's log-probs of the
-    same tokens (`scored`, in sample order)."""
+    same tokens (`scored`, in sample order, computed with `version`'s weights), and how many tokens each version
+    produced. `earlier`: the version the rollouts started under when they ran through the sync (rollout.overlap);
+    its tokens may precede `version`'s in a sample, and only `version`'s tokens are compared with the trainer's
+    (the earlier ones came from other weights by design)."""
+    allowed = (version,) if earlier is None or earlier == version else (earlier, version)
     diffs: list[float] = []
-    if all(s.output_logprobs is not None for s in samples):
-        for sample, trainer in zip(samples, scored.logprobs, strict=True):
-            diffs += [abs(a - b) for a, b in zip(trainer, sample.output_logprobs, strict=True)]
+    tokens: dict[str, int] = {}
+    is_tagged = True
+    for sample, trainer in zip(samples, scored.logprobs, strict=True):
+        versions = sample.token_versions()
+        for v in versions:
+            tokens[v] = tokens.get(v, 0) + 1
+        positions = [allowed.index(v) if v in allowed else -1 for v in versions]
+        is_tagged = is_tagged and -1 not in positions and positions == sorted(positions)
+        if sample.output_logprobs is not None:
+            pairs = zip(trainer, sample.output_logprobs, versions, strict=True)
+            diffs += [abs(a - b) for a, b, v in pairs if v == version]
+    has_logprobs = all(s.output_logprobs is not None for s in samples)
     return RolloutStats(
         reward=mean_reward(samples),
         reward_per_engine=tuple(mean_reward([s for s in samples if s.engine_url == u]) for u in urls),
         rule_share=sum(rule_share(s) for s in samples) / len(samples),
         accept_length=mean_accept_length(samples),
-        logprob_diff_max=max(diffs) if diffs else None,
-        logprob_diff_mean=sum(diffs) / len(diffs) if diffs else None,
+        logprob_diff_max=max(diffs) if diffs and has_logprobs else None,
+        logprob_diff_mean=sum(diffs) / len(diffs) if diffs and has_logprobs else None,
         trainer_step=scored.weight_step,
-        samples_tagged=all(s.weight_version == version for s in samples),
+        samples_tagged=is_tagged and all(s.weight_version in allowed for s in samples),
         num_samples=len(samples),
+        tokens_by_version=tuple(tokens.items()),
     )
 
 

@@ -49,8 +49,9 @@ class RolloutStats:
     logprob_diff_max: float | None
     logprob_diff_mean: float | None
     trainer_step: int  # optimizer steps of the trainer weights that recomputed the log-probs
-    samples_tagged: bool  # every sample carries the version the round expected
+    samples_tagged: bool  # every token carries the version the round expected (or, overlapped, the one before)
     num_samples: int
+    tokens_by_version: tuple[tuple[str, int], ...] = ()  # (version, sampled tokens it produced), first seen first
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,9 +106,9 @@ class RoundRecord:
     reward: float  # mean reward of this round's rollouts
     reward_per_engine: tuple[float, ...]  # mean reward of each engine's rollouts, in engine order (rollout.router: one)
     rule_share: float | None  # share of this round's sampled tokens that follow the pre-training rule
-    logprob_diff_max: float | None  # max |trainer - engine| log-prob over this round's sampled tokens
+    logprob_diff_max: float | None  # max |trainer - engine| log-prob over this round's tokens that `version` produced
     logprob_diff_mean: float | None
-    samples_tagged: bool  # every rollout sample carries `version`
+    samples_tagged: bool  # every rollout token carries `version` (rollout.overlap: or the version before, first)
     draft_guard: str = ""  # "draft unchanged": the session left the draft out and its digests held (draft guard)
     # The draft canary's accept length per engine the sync verified (empty when sync.draft_canary is none), and the
     # engines it flagged (miles_sync.sync.draft_canary).
@@ -124,6 +125,9 @@ class RoundRecord:
     # call), and what the sync did to its prefix cache (EngineResult.prefix_cache).
     engine_calls: dict[str, dict[str, float]] = field(default_factory=dict)
     prefix_cache: dict[str, str] = field(default_factory=dict)
+    # Sampled tokens of this round's rollouts per version that produced them: all `version`'s, or with
+    # rollout.overlap the previous version's too (how off-policy the batch the next step trains on is).
+    tokens_by_version: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,6 +234,7 @@ def _rollout_fields(rollouts: RolloutStats | None) -> dict[str, Any]:
             "logprob_diff_max": None,
             "logprob_diff_mean": None,
             "samples_tagged": False,
+            "tokens_by_version": {},
         }
     return {
         "accept_length": rollouts.accept_length,
@@ -239,6 +244,7 @@ def _rollout_fields(rollouts: RolloutStats | None) -> dict[str, Any]:
         "logprob_diff_max": rollouts.logprob_diff_max,
         "logprob_diff_mean": rollouts.logprob_diff_mean,
         "samples_tagged": rollouts.samples_tagged,
+        "tokens_by_version": dict(rollouts.tokens_by_version),
     }
 
 

@@ -24,12 +24,14 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+import aiohttp
 import pytest
 from generate_load import Answer, GenerateLoad, load_request, version_problem
 from recording_proxy import recording_proxy
 from sender_host import SenderSettings
 from sglang_server import enter_together, sglang_server
 
+from miles_sync.engine.client import EngineClient
 from miles_sync.engine.router import RouterClient, RouterProcess, RouterSpec
 from miles_sync.export.registry import ConversionMode
 from miles_sync.sync.controller import SyncController
@@ -48,6 +50,31 @@ IN_FLIGHT = 2  # clients per server
 SLACK_S = 15.0  # beyond the syncs it overlapped: an unloaded 32-token request takes ~0.3 s here; CI's 2 cores are noisy
 FLOW_TIMEOUT_S = 120.0
 STARTING_VERSION = "default"  # what a freshly launched SGLang server reports
+# A prompt no load request shares, long enough that a cached prefix is unmistakable; greedy, with log-probs.
+PROBE = {
+    "input_ids": list(range(60, 100)),
+    "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+    "return_logprob": True,
+}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One PROBE answer: how many prompt tokens came from the prefix cache, the version that produced its tokens,
+    and their log-probs."""
+
+    cached_tokens: int
+    version: str
+    logprobs: tuple[float, ...]
+
+
+async def probe(url: str) -> Probe:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/generate", json=PROBE, timeout=aiohttp.ClientTimeout(total=60)) as answer:
+            assert answer.status == 200, await answer.text()
+            meta = (await answer.json())["meta_info"]
+    logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
+    return Probe(int(meta["cached_tokens"]), str(meta["weight_version"]), logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -141,29 +168,53 @@ def assert_versions_true(answers: list[Answer], fleet: Fleet) -> None:
 
 @pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.IN_PLACE, PauseMode.ABORT], ids=lambda m: m.value)
 def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
-    """Two verified syncs while requests run (module docstring, per mode); the figures are printed (-s)."""
+    """Two verified syncs while requests run (module docstring, per mode); the figures are printed (-s).
+
+    The prefix cache: PROBE is asked twice before each sync (the second answer shows its prefix cached) and once
+    after it. abort and retract promise that no token tagged with the new version comes from KV computed with the
+    old weights: the probe after the sync takes nothing from the cache (mutation: updates that do not flush).
+    in_place promises only what each engine's report says: where it says "not flushed", the probe reuses the old
+    prefix; once the load ends, the server is flushed and probed again, and the log-prob difference of the stale
+    answer from the fresh one (same weights, same version) is printed."""
 
     async def main():
         await source.call("configure", settings(mode))
         ctl = controller(fleet.urls, source, mode)
         await ctl.connect()
-        windows = []
+        windows, probes = [], []
         try:
             with GenerateLoad(fleet.urls, in_flight=IN_FLIGHT, request=REQUEST) as load:
                 await wait_flowing(load, since=0.0)
                 for step in (1, 2):
+                    cached_before = [[await probe(u) for _ in range(2)][1].cached_tokens for u in fleet.urls]
                     await source.call("step", step + 10 * list(PauseMode).index(mode))
                     windows.append(await timed_sync(ctl, fleet))
+                    probes.append((cached_before, [await probe(u) for u in fleet.urls]))
                     await wait_flowing(load, since=windows[-1].end)  # serving again, at the new version
                 load.stop(wait_s=FLOW_TIMEOUT_S)
+            fresh = []
+            for url in fleet.urls:  # idle now: the flush succeeds
+                async with EngineClient(url, timeout_s=30.0) as client:
+                    await client.flush_cache()
+                fresh.append(await probe(url))
         finally:
             await ctl.close()
-        return windows, list(load.answers)
+        return windows, probes, fresh, list(load.answers)
 
-    windows, answers = asyncio.run(main())
-    for window in windows:
+    windows, probes, fresh, answers = asyncio.run(main())
+    for window, (cached_before, after) in zip(windows, probes):
         report = window.report
         assert report.committed and report.verification == "engine-exact (sha256)", report.summary()
+        assert all(n >= 30 for n in cached_before), cached_before
+        assert [p.version for p in after] == [report.version] * 2, after
+        for engine, answer in zip(report.engines, after):
+            if mode is not PauseMode.IN_PLACE:
+                assert engine.prefix_cache == "flushed with the updates"
+                assert answer.cached_tokens == 0, f"{engine.url}: v{report.version} tokens from old-weight KV"
+            elif engine.prefix_cache.startswith("not flushed"):
+                assert answer.cached_tokens >= 30, (engine, answer)  # what the report says: the old prefix stays
+            else:
+                assert engine.prefix_cache == "flushed after the resume" and answer.cached_tokens == 0, engine
     failed = [(a.status, a.error) for a in answers if a.status != 200]
     assert not failed, failed[:5]
     aborted = [a for a in answers if a.finish == "abort"]
@@ -178,6 +229,10 @@ def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
     else:
         assert not aborted, aborted[:3]
         assert spanning, "no request spans a sync: none was in flight when the syncs ran"
+    stale = [
+        max(abs(a - b) for a, b in zip(p.logprobs, f.logprobs)) for p, f in zip(probes[-1][1], fresh) if p.cached_tokens
+    ]
+    assert all(f.cached_tokens == 0 and f.version == windows[-1].report.version for f in fresh), fresh
     pauses = ", ".join(f"{w.report.phases.pause_s:.3f}" for w in windows)
     resumes = ", ".join(f"{w.report.phases.resume_s:.3f}" for w in windows)
     syncs = ", ".join(f"{w.end - w.start:.3f}" for w in windows)
@@ -185,7 +240,9 @@ def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
     print(
         f"\n[load] {mode.value}: sync_s {syncs}; pause_s {pauses}; resume_s {resumes}; {len(answers)} requests,"
         f" {len(aborted)} aborted, {len(spanning)} spanning versions;"
-        f" latency p50 {latencies[len(latencies) // 2]:.3f} s max {latencies[-1]:.3f} s"
+        f" latency p50 {latencies[len(latencies) // 2]:.3f} s max {latencies[-1]:.3f} s;"
+        f" prefix cache after the syncs {[e.prefix_cache for w in windows for e in w.report.engines]},"
+        f" max |stale - fresh| probe log-prob {stale or 'none stale'}"
     )
 
 

@@ -24,6 +24,8 @@ from miles_sync.job.rollouts import rollout_stats, round_requests, score_batch
 from miles_sync.job.run_report import BaselineRecord, summary_line, unsynced_round_record, why_stop
 from miles_sync.job.trainer import CompletionLogprobs
 from miles_sync.weights.fp8 import Quantization
+from miles_sync.wire.api import EngineError
+from miles_sync.wire.protocol import WeightVersionSpan
 
 pytestmark = pytest.mark.unit
 
@@ -117,6 +119,40 @@ def test_rollout_stats_compare_the_trainers_logprobs_with_the_engines():
     assert score_batch(samples, temperature=1.0).sequences == ((1, 2, 3), (1, 5))
 
 
+def test_overlapped_rollouts_count_each_versions_tokens_and_compare_only_the_new_versions():
+    """rollout.overlap: a sample's tokens before the sync come from the earlier version. Mutations: comparing every
+    token with the trainer (the diff would be 0.5), accepting an unknown version, or spans out of order."""
+    spans = (WeightVersionSpan(version="3", start=0, end=1), WeightVersionSpan(version="4", start=1, end=2))
+    across = Sample(
+        engine_url="a",
+        prompt_ids=(1,),
+        output_ids=(2, 3),
+        weight_version="4",
+        output_logprobs=(-1.5, -2.0),
+        weight_versions=spans,
+    )
+    late = Sample(engine_url="b", prompt_ids=(1,), output_ids=(5,), weight_version="4", output_logprobs=(-0.5,))
+    scored = CompletionLogprobs(logprobs=((-1.0, -2.25), (-0.5,)), weight_step=7)
+    stats = rollout_stats([across, late], scored, urls=["a", "b"], version="4", earlier="3")
+    assert stats.tokens_by_version == (("3", 1), ("4", 2))
+    assert stats.logprob_diff_max == 0.25 and stats.samples_tagged
+    # Without `earlier`, a token of version 3 is mistagged; with another earlier version too.
+    assert not rollout_stats([across, late], scored, urls=["a", "b"], version="4").samples_tagged
+    assert not rollout_stats([across, late], scored, urls=["a", "b"], version="4", earlier="2").samples_tagged
+    backwards = dataclasses.replace(across, weight_versions=spans[::-1])
+    assert not rollout_stats([backwards, late], scored, urls=["a", "b"], version="4", earlier="3").samples_tagged
+    with pytest.raises(EngineError, match="spans cover 1 tokens, the output has 2"):
+        dataclasses.replace(across, weight_versions=spans[:1]).token_versions()
+
+
+def test_overlap_is_refused_with_a_pause_that_aborts_and_with_lora():
+    with pytest.raises(ValueError, match="sync.pause_mode=abort would abort them"):
+        load_config(overrides=["rollout.overlap=true"])
+    with pytest.raises(ValueError, match="rollout.overlap with sync.mode=lora"):
+        load_config(overrides=["rollout.overlap=true", "sync.pause_mode=retract", "sync.mode=lora"])
+    assert load_config(overrides=["rollout.overlap=true", "sync.pause_mode=in_place"]).rollout.overlap
+
+
 def test_a_run_stops_on_a_failed_sync_or_a_holding_canary():
     row = unsynced_round_record(1, version="1", loss=0.1, trainer_step=1, rollouts=stats(0.5, 1e-6))
     synced = dataclasses.replace(row, synced=True, committed=True)
@@ -133,3 +169,20 @@ def test_a_run_stops_on_a_failed_sync_or_a_holding_canary():
     undrafted = dataclasses.replace(row, accept_length=None)
     no_draft = dataclasses.replace(baseline, accept_length=None)
     assert summary_line(no_draft, [undrafted]).startswith("1 rounds, 0 verified; no draft; mean reward 0.250")
+
+
+def test_log_probs_that_do_not_cover_the_output_are_refused_naming_the_engine():
+    """An engine that answers no triples, or triples for other tokens, would misalign the trainer's ratios.
+    (Mutation: the checks gone; before they were tested, each raised a TypeError of its own.)"""
+    from miles_sync.engine.rollout import _output_logprobs
+    from miles_sync.wire.protocol import GenerateMetaInfo, GenerateResponse
+
+    def response(triples):
+        meta = GenerateMetaInfo(prompt_tokens=1, completion_tokens=2, weight_version="1", output_token_logprobs=triples)
+        return GenerateResponse(output_ids=(2, 3), meta_info=meta)
+
+    assert _output_logprobs(response(((-1.0, 2, None), (-2.0, 3, None))), url="u") == (-1.0, -2.0)
+    with pytest.raises(EngineError, match="engine u /generate: HTTP 200: asked for return_logprob"):
+        _output_logprobs(response(None), url="u")
+    with pytest.raises(EngineError, match=r"\(1 triples\) do not match the 2 output ids"):
+        _output_logprobs(response(((-1.0, 2, None),)), url="u")

@@ -377,6 +377,7 @@ CONFIG_FIELDS = {
         "router": None,
         "router_url": None,
         "router_policy": None,
+        "overlap": None,
     },
     "seed": None,
     "num_rounds": None,
