@@ -8,8 +8,9 @@
 `in_flight` clients per URL each send one request after another (to loopback only) until the load stops or
 `max_requests` per client; each runs on the load's own thread and event loop, so the syncs under test keep theirs.
 Every answer's status, finish reason, SGLang `meta_info.weight_versions` spans and send/answer times are kept;
-a failed request is recorded, never raised. Used by the real-server load tier (tests/sglang/test_sglang_load.py)
-and benchmarks/bench_load_sync.py.
+a failed request is recorded, never raised, and its client stops (a server that is gone fails every request at
+once, and the client would otherwise retry in a tight loop). Used by the real-server load tier
+(tests/sglang/test_sglang_load.py) and benchmarks/bench_load_sync.py.
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ class GenerateLoad:
             with self._changed:
                 self.answers.append(answer)
                 self._changed.notify_all()
+            if status != 200:
+                return
 
 
 def version_problem(answer: Answer, *, served: Collection[str], order: list[str]) -> str | None:

@@ -278,8 +278,14 @@ async def run_in_frame(
             await asyncio.wait_for(flow(), timeout=sync_s)
             fleet.is_complete = True
         except Exception as exc:  # every failure of a step ends here and goes into the report
-            # wait_for's own timeout carries no message; every step's errors do.
-            run.error = str(exc) or f"{type(exc).__name__}: the sync did not finish within {sync_s} s"
+            # wait_for's own timeout carries no message, and neither do some errors from below our steps (a source
+            # whose process died answers EOFError): name what failed, never a timeout that did not happen.
+            if str(exc):
+                run.error = str(exc)
+            elif isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                run.error = f"{type(exc).__name__}: the sync did not finish within {sync_s} s"
+            else:
+                run.error = f"{type(exc).__name__} (no message) in the sync"
             if after_failure is not None:
                 await after_failure()
         if settle is not None:

@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 from generate_load import Answer, GenerateLoad, load_request, version_problem
 from recording_proxy import recording_proxy
-from sender_host import SenderSettings
+from sender_host import ProcessSource, SenderSettings, export_units, load_checkpoint
 from sglang_server import enter_together, sglang_server
 
 from miles_sync.engine.client import EngineClient
@@ -78,14 +78,20 @@ async def probe(url: str) -> Probe:
 
 
 @pytest.fixture(scope="module")
-def servers(reference_checkpoints, sglang_python, tmp_path_factory):
-    """Two real servers, each behind a recording proxy: the proxies."""
+def launchers(reference_checkpoints, sglang_python, tmp_path_factory):
+    """Two real servers (the last test kills the first)."""
     log_dir = tmp_path_factory.mktemp("sglang-load")
     model = reference_checkpoints / "target"
     with contextlib.ExitStack() as stack:
-        launchers = enter_together(
+        yield enter_together(
             stack, *(sglang_server(model=model, python=sglang_python, log_dir=log_dir) for _ in range(2))
         )
+
+
+@pytest.fixture(scope="module")
+def servers(launchers):
+    """The two servers, each behind a recording proxy: the proxies."""
+    with contextlib.ExitStack() as stack:
         yield [stack.enter_context(recording_proxy(launcher.url)) for launcher in launchers]
 
 
@@ -355,3 +361,123 @@ def test_a_live_server_held_by_its_verification_leaves_the_router_before_the_oth
     assert not reached, f"{len(reached)} routed requests reached the held server after its withdrawal"
     assert recovered.report.committed and recovered.report.verification == "engine-exact (sha256)"
     assert all(a.status == 200 and a.finish == "length" for a in answers), [a for a in answers if a.status != 200][:3]
+
+
+def test_a_trainer_killed_mid_send_under_load_holds_both_servers_until_a_verified_sync(fleet, reference_checkpoints):
+    """retract under load; the sender process (the trainer's source rank) is killed while its buckets are on the
+    wire. The sync fails without committing, both servers stay paused with the requests the pause retracted, and
+    nothing is answered until a new source and controller (the restarted trainer) sync and verify; those requests
+    then complete at that version, none lost."""
+    target = reference_checkpoints / "target"
+    tensors, num_layers = load_checkpoint(target)
+    gate_unit = len(export_units(tensors, num_hidden_layers=num_layers, include_mtp=False)) - 2
+    victim, restarted = ProcessSource(target_dir=target), ProcessSource(target_dir=target)
+
+    async def main():
+        await victim.call("configure", settings(PauseMode.RETRACT))
+        ctl = controller(fleet.urls, victim, PauseMode.RETRACT)
+        await ctl.connect()
+        with GenerateLoad(fleet.urls, in_flight=IN_FLIGHT, request=REQUEST) as load:
+            try:
+                await wait_flowing(load, since=0.0)
+                await victim.call("step", 60)
+                await victim.call("gate", gate_unit)  # stops before its last units: earlier buckets landed
+                start = time.monotonic()
+                sync = asyncio.create_task(ctl.sync(raise_on_failure=False))
+                assert await asyncio.to_thread(victim.gate_reached.wait, 60.0), "the send never reached the gate"
+                victim.process.kill()
+                failed = Window(start, 0.0, await asyncio.wait_for(sync, TIMEOUTS.sync_s + 30.0))
+                failed = Window(start, time.monotonic(), failed.report)
+                fleet.record(failed.report)
+                held = dict(ctl.held_engines)
+            finally:
+                with contextlib.suppress(Exception):  # its source is gone
+                    await ctl.close()
+            await restarted.call("configure", settings(PauseMode.RETRACT))
+            await restarted.call("step", 61)
+            ctl = controller(fleet.urls, restarted, PauseMode.RETRACT)
+            try:
+                await ctl.connect()
+                recovered = await timed_sync(ctl, fleet)
+                await wait_flowing(load, since=recovered.end)
+            finally:
+                await ctl.close()
+            load.stop(wait_s=FLOW_TIMEOUT_S)
+        return failed, held, recovered, list(load.answers)
+
+    try:
+        failed, held, recovered, answers = asyncio.run(main())
+    finally:
+        victim.shutdown()
+        restarted.shutdown()
+    assert not failed.report.committed, failed.report.summary()
+    assert failed.end - failed.start < TIMEOUTS.sync_s, failed.report.summary()
+    assert "did not finish within" not in failed.report.error, failed.report.error  # no timeout happened
+    assert sorted(held) == sorted(fleet.urls), (held, failed.report.summary())
+    answered_while_held = [a for a in answers if failed.end < a.answered_at < recovered.start]
+    assert not answered_while_held, answered_while_held
+    assert recovered.report.committed and recovered.report.verification == "engine-exact (sha256)"
+    assert all(a.status == 200 and a.finish == "length" for a in answers), [a for a in answers if a.status != 200][:3]
+    across = [a for a in answers if a.sent_at < failed.end < a.answered_at]
+    assert len(across) == len(fleet.urls) * IN_FLIGHT, across
+    assert all(a.versions[-1] == recovered.report.version for a in across), [a.spans for a in across]
+    assert_versions_true(answers, fleet)
+    print(f"\n[load] trainer killed mid-send: failed in {failed.end - failed.start:.2f} s: {failed.report.error}")
+
+
+def test_a_server_killed_under_load_leaves_the_survivor_held_until_a_sync_verifies_it(
+    launchers, fleet, source, reference_checkpoints
+):
+    """Runs last: kills the module's first server while buckets are on the wire, under retract and load. The sync
+    fails without committing; the survivor, which received some buckets, stays paused with the requests its pause
+    retracted, and nothing it answers comes from the partial weights; a sync over the survivor alone verifies and
+    resumes it, and its waiting requests complete at that version. The killed server's requests fail (connection
+    lost), none hangs."""
+    victim_url, survivor = fleet.urls
+    tensors, num_layers = load_checkpoint(reference_checkpoints / "target")
+    gate_unit = len(export_units(tensors, num_hidden_layers=num_layers, include_mtp=False)) - 2
+
+    async def main():
+        await source.call("configure", settings(PauseMode.RETRACT))
+        ctl = controller(fleet.urls, source, PauseMode.RETRACT)
+        await ctl.connect()
+        with GenerateLoad(fleet.urls, in_flight=IN_FLIGHT, request=REQUEST, request_timeout_s=60.0) as load:
+            try:
+                await wait_flowing(load, since=0.0)
+                await source.call("step", 70)
+                await source.call("gate", gate_unit)
+                start = time.monotonic()
+                sync = asyncio.create_task(ctl.sync(raise_on_failure=False))
+                assert await asyncio.to_thread(source.gate_reached.wait, 60.0), "the send never reached the gate"
+                killed_at = time.monotonic()
+                launchers[0].kill()
+                source.gate_release.set()
+                report = await asyncio.wait_for(sync, TIMEOUTS.sync_s + 30.0)
+                failed = Window(start, time.monotonic(), report)
+                fleet.record(report)
+                held = dict(ctl.held_engines)
+            finally:
+                await ctl.close()
+            await source.call("configure", settings(PauseMode.RETRACT))
+            await source.call("step", 71)
+            ctl = controller([survivor], source, PauseMode.RETRACT)
+            try:
+                await ctl.connect()
+                recovered = await timed_sync(ctl, fleet)
+            finally:
+                await ctl.close()
+            load.stop(wait_s=FLOW_TIMEOUT_S)
+        return failed, held, recovered, killed_at, list(load.answers)
+
+    failed, held, recovered, killed_at, answers = asyncio.run(main())
+    assert not failed.report.committed and failed.end - failed.start < TIMEOUTS.sync_s, failed.report.summary()
+    assert survivor in held, held
+    on_survivor = [a for a in answers if a.url == survivor]
+    assert not [a for a in on_survivor if failed.end < a.answered_at < recovered.start]
+    assert all(a.status == 200 and a.finish == "length" for a in on_survivor), [a for a in on_survivor][:3]
+    across = [a for a in on_survivor if a.sent_at < failed.end < a.answered_at]
+    assert len(across) == IN_FLIGHT and all(a.versions[-1] == recovered.report.version for a in across), across
+    assert_versions_true(on_survivor, fleet)
+    # Its requests paused in the queue failed (its proxy answers 500 once the server is gone); none hung.
+    lost = [a for a in answers if a.url == victim_url and a.answered_at > killed_at]
+    assert len(lost) == IN_FLIGHT and all(a.status != 200 for a in lost), lost
