@@ -1,6 +1,7 @@
 """Syncs into two real SGLang 0.5.23 CPU servers while clients keep requests in flight on them (tests/
 generate_load.py: two clients per server, each sending a 32-token greedy /generate after another), in every pause
-mode, through the controller class with a sender process, real gloo groups and HTTP on loopback.
+mode, sent to each server directly or through sglang-router in front of both, through the controller class with
+a sender process, real gloo groups and HTTP on loopback.
 
 What each mode promises, and what is asserted per request:
 
@@ -11,8 +12,12 @@ What each mode promises, and what is asserted per request:
 - a sync whose verification fails under retract holds both servers paused: the requests it retracted wait, and
   complete after the next verified sync, tagged only with that sync's version (never the failed one's, which the
   servers were told before the verification failed).
+- the prefix cache: after an abort or retract sync no request takes a prefix cached before it; after an in_place
+  sync a request does wherever the report says the cache was not flushed.
 - behind the SGLang router, a live server held by a failed verification leaves the router before the other server
   resumes, and no routed request reaches it after that.
+- a trainer killed mid-send holds both servers, a server killed mid-send holds the survivor; their retracted
+  requests complete after the next verified sync, none lost (the killed server's fail, none hangs).
 
 Every sync is verified engine-exact; every server sits behind a recording proxy (tests/recording_proxy.py).
 """
@@ -124,6 +129,17 @@ def fleet(servers) -> Fleet:
     return Fleet([proxy.url for proxy in servers])
 
 
+@pytest.fixture(scope="module")
+def router_url(sglang_python, tmp_path_factory):
+    """sglang-router 0.3.2 (it probes a worker's /health, /server_info and /model_info before it routes to it),
+    started with an empty worker list; each controller given it as its gate admits the servers it verified."""
+    process = RouterProcess(spec=RouterSpec(python=str(sglang_python)), log_dir=tmp_path_factory.mktemp("router"))
+    try:
+        yield process.start().url
+    finally:
+        process.stop()
+
+
 def controller(urls, source, mode: PauseMode, *, gate=None) -> SyncController:
     return SyncController(
         engine_urls=urls,
@@ -168,13 +184,18 @@ async def wait_flowing(load: GenerateLoad, *, since: float) -> None:
 
 
 def assert_versions_true(answers: list[Answer], fleet: Fleet) -> None:
-    problems = [p for a in answers if (p := version_problem(a, served=fleet.served[a.url], order=fleet.order))]
+    # A routed answer may come from either server: the versions verified on both.
+    served = lambda url: fleet.served.get(url) or set.intersection(*fleet.served.values())  # noqa: E731
+    problems = [p for a in answers if (p := version_problem(a, served=served(a.url), order=fleet.order))]
     assert not problems, problems[:5]
 
 
+@pytest.mark.parametrize("via", ["direct", "router"])
 @pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.IN_PLACE, PauseMode.ABORT], ids=lambda m: m.value)
-def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
-    """Two verified syncs while requests run (module docstring, per mode); the figures are printed (-s).
+def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, router_url, mode, via):
+    """Two verified syncs while requests run (module docstring, per mode), the load sent to each server directly
+    or to the router in front of both (the controller then admits the servers it verified); the figures are
+    printed (-s).
 
     The prefix cache: PROBE is asked twice before each sync (the second answer shows its prefix cached) and once
     after it. abort and retract promise that no token tagged with the new version comes from KV computed with the
@@ -183,17 +204,20 @@ def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
     prefix; once the load ends, the server is flushed and probed again, and the log-prob difference of the stale
     answer from the fresh one (same weights, same version) is printed."""
 
+    gate = RouterClient(router_url) if via == "router" else None
+    targets, in_flight = ([router_url], 2 * IN_FLIGHT) if gate is not None else (fleet.urls, IN_FLIGHT)
+
     async def main():
         await source.call("configure", settings(mode))
-        ctl = controller(fleet.urls, source, mode)
+        ctl = controller(fleet.urls, source, mode, gate=gate)
         await ctl.connect()
         windows, probes = [], []
         try:
-            with GenerateLoad(fleet.urls, in_flight=IN_FLIGHT, request=REQUEST) as load:
+            with GenerateLoad(targets, in_flight=in_flight, request=REQUEST) as load:
                 await wait_flowing(load, since=0.0)
                 for step in (1, 2):
                     cached_before = [[await probe(u) for _ in range(2)][1].cached_tokens for u in fleet.urls]
-                    await source.call("step", step + 10 * list(PauseMode).index(mode))
+                    await source.call("step", step + 10 * list(PauseMode).index(mode) + 100 * (gate is not None))
                     windows.append(await timed_sync(ctl, fleet))
                     probes.append((cached_before, [await probe(u) for u in fleet.urls]))
                     await wait_flowing(load, since=windows[-1].end)  # serving again, at the new version
@@ -205,6 +229,8 @@ def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
                 fresh.append(await probe(url))
         finally:
             await ctl.close()
+            if gate is not None:
+                await gate.close()
         return windows, probes, fresh, list(load.answers)
 
     windows, probes, fresh, answers = asyncio.run(main())
@@ -244,7 +270,7 @@ def test_syncs_under_load_keep_their_pause_modes_promise(fleet, source, mode):
     syncs = ", ".join(f"{w.end - w.start:.3f}" for w in windows)
     latencies = sorted(a.latency_s for a in answers)
     print(
-        f"\n[load] {mode.value}: sync_s {syncs}; pause_s {pauses}; resume_s {resumes}; {len(answers)} requests,"
+        f"\n[load] {mode.value} ({via}): sync_s {syncs}; pause_s {pauses}; resume_s {resumes}; {len(answers)} requests,"
         f" {len(aborted)} aborted, {len(spanning)} spanning versions;"
         f" latency p50 {latencies[len(latencies) // 2]:.3f} s max {latencies[-1]:.3f} s;"
         f" prefix cache after the syncs {[e.prefix_cache for w in windows for e in w.report.engines]},"
@@ -303,7 +329,7 @@ def break_checksum(answer: dict) -> dict:
 
 
 def test_a_live_server_held_by_its_verification_leaves_the_router_before_the_other_resumes(
-    servers, fleet, source, sglang_python, tmp_path
+    servers, fleet, source, router_url
 ):
     """sglang-router 0.3.2 in front of both servers, the load sent to the router. In one retract sync the first
     server's checker answer is made wrong (its proxy rewrites one digest): that server is held while the second,
@@ -311,8 +337,6 @@ def test_a_live_server_held_by_its_verification_leaves_the_router_before_the_oth
     in front of the router) comes before the second server's /continue_generation, and no /generate reaches the
     held server after it (mutation: withdrawing after the resume). The next sync verifies and relists it."""
     held_proxy, live_proxy = servers
-    process = RouterProcess(spec=RouterSpec(python=str(sglang_python)), log_dir=tmp_path)
-    router_url = process.start().url
 
     async def main(router_proxy):
         gate = RouterClient(router_proxy.url)
@@ -344,11 +368,8 @@ def test_a_live_server_held_by_its_verification_leaves_the_router_before_the_oth
             await gate.close()
         return listed, split, held, listed_after, recovered, relisted, list(load.answers)
 
-    try:
-        with recording_proxy(router_url) as router_proxy:
-            listed, split, held, listed_after, recovered, relisted, answers = asyncio.run(main(router_proxy))
-    finally:
-        process.stop()
+    with recording_proxy(router_url) as router_proxy:
+        listed, split, held, listed_after, recovered, relisted, answers = asyncio.run(main(router_proxy))
     assert listed == sorted(fleet.urls) and relisted == sorted(fleet.urls)
     report = split.report
     assert [e.success for e in report.engines] == [False, True], report.summary()
