@@ -63,7 +63,7 @@ __all__ = ["EngineDigestPlan"]
 logger = logging.getLogger(__name__)
 
 # config.json model types whose TP split `miles_sync.weights.engine_layout` describes (decoders with separate q/k/v
-# and gate/up projections; Qwen3-MoE's experts stacked as FusedMoE's, at TP=1); any other family has no layout model.
+# and gate/up projections; Qwen3-MoE's experts stacked and TP-split as FusedMoE's); other families have no model.
 MODELED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _DRAFT_ROLE = Role.DRAFT.value
 _TARGET_ROLE = Role.TARGET.value
@@ -178,7 +178,7 @@ def engine_layout(
         # ROCm servers (a "cuda" device to torch) shuffle FusedMoE weights for AITER after loading; what a GPU
         # server reports does not tell them from NVIDIA ones, so its experts' bytes are not predicted.
         raise ValueError("a GPU server may post-process its MoE experts (AITER on ROCm): not modeled")
-    problems = tp_problems(shape, info.tp_size)
+    problems = tp_problems(shape, info.tp_size, split_experts=True)  # FusedMoE's TP split is modeled
     if problems:
         raise ValueError("; ".join(problems))
     has_draft = Role.DRAFT in selector_roles(selector) and draft is not None and draft.has_runner

@@ -11,12 +11,16 @@ The rules are SGLang's parallel layers (`sglang/srt/layers/linear.py`, `vocab_pa
 - vocab-parallel (embed_tokens, lm_head): the vocabulary is padded to a multiple of 64, then split in contiguous
   row blocks; padding rows are zero.
 - everything else (norms, the MTP head's enorm/hnorm/eh_proj, an MoE router `mlp.gate`) is replicated.
-- MoE experts (`mlp.experts.<e>.*`): modeled at tp_size 1 only; a model with experts at a larger TP size is refused
-  (`tp_problems`), so no expert is ever split here.
+- MoE experts (`mlp.experts.<e>.*`, SGLang's FusedMoE with expert parallelism off: every rank holds every
+  expert): each expert's gate and up projections are column-parallel over `moe_intermediate_size` and its down
+  projection row-parallel, like a dense MLP's (FusedMoE's `_load_w13` narrows the loaded weight's rows by TP rank,
+  `_load_w2` its columns). Only the digest prediction models that split (`tp_problems(split_experts=True)`);
+  the reference engine and the direct-load plans keep MoE models at tp_size 1, and refuse larger sizes by name.
 
 Fusion: a rank's `self_attn.qkv_proj` is cat(q, k, v slices) along dim 0 and `mlp.gate_up_proj` cat(gate, up
 slices) (`miles_sync.weights.checksum.sglang_parameter_names`); an MoE block's experts stack into FusedMoE's
-`experts.w13_weight` [E, 2I, H] (gate rows then up rows per expert) and `experts.w2_weight` [E, H, I].
+`experts.w13_weight` [E, 2I/tp, H] (the rank's gate rows then its up rows, per expert) and `experts.w2_weight`
+[E, H, I/tp].
 Post-processing (a `WeightLayout`) then applies to each fused linear weight whose shape and dtype it covers; on the
 3-D expert weights it applies per expert on the last two dims, as SGLang's AITER MoE path shuffles w13/w2 after
 loading (`UnquantizedFusedMoEMethod.process_weights_after_loading`). The checker hashes these physical rank tensors
@@ -26,6 +30,7 @@ with SGLang's CPU `tensor_hash`, so `rank_engine_digests` predicts a faithful en
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +71,9 @@ _MODULE_KINDS = (
     ("embed_tokens", ShardKind.VOCAB),
     ("lm_head", ShardKind.VOCAB),
 )
+# One expert's projection in an MoE block (`...mlp.experts.<e>.<proj>.weight`) and how FusedMoE splits it.
+_EXPERT_PROJECTION = re.compile(r"(?:^|\.)mlp\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KINDS = {"gate_proj": ShardKind.COLUMN, "up_proj": ShardKind.COLUMN, "down_proj": ShardKind.ROW}
 # Engine parameters that are linear weights, the tensors a post-processing layout may transform.
 _LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "eh_proj", "lm_head")
 # FusedMoE's stacked expert weights (leaf names of `...mlp.experts`); the router `mlp.gate` is not among them.
@@ -83,6 +91,7 @@ class TPShape:
     intermediate_size: int
     vocab_size: int
     num_experts: int = 0  # routed experts per MoE block (config `num_experts`); 0: a dense model
+    moe_intermediate_size: int = 0  # each expert's intermediate size (config `moe_intermediate_size`); 0: dense
 
     @classmethod
     def from_config(cls, config: Any) -> TPShape:
@@ -98,7 +107,12 @@ class TPShape:
         head_dim = (config.get("head_dim") if isinstance(config, Mapping) else getattr(config, "head_dim", None)) or (
             hidden // heads
         )
-        num_experts = config.get("num_experts") if isinstance(config, Mapping) else getattr(config, "num_experts", None)
+
+        def optional(key: str) -> int:
+            value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+            return int(value or 0)
+
+        num_experts = optional("num_experts")
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
@@ -106,7 +120,8 @@ class TPShape:
             head_dim=int(head_dim),
             intermediate_size=get("intermediate_size"),
             vocab_size=get("vocab_size"),
-            num_experts=int(num_experts or 0),
+            num_experts=num_experts,
+            moe_intermediate_size=optional("moe_intermediate_size") if num_experts else 0,
         )
 
     @property
@@ -120,9 +135,10 @@ class TPShape:
         return max(1, tp_size // self.num_key_value_heads)
 
 
-def tp_problems(shape: TPShape, tp_size: int) -> list[str]:
+def tp_problems(shape: TPShape, tp_size: int, *, split_experts: bool = False) -> list[str]:
     """What SGLang refuses at start-up for this shape at `tp_size`, each naming the dimension (empty: it runs), and
-    what these rules do not model: MoE experts split across TP ranks."""
+    what the caller does not model: MoE experts split across TP ranks, unless `split_experts` (the digest
+    prediction of SGLang's FusedMoE models it; the reference engine and the direct-load plans do not)."""
     if tp_size < 1:
         return [f"tp_size={tp_size} must be at least 1"]
     problems = []
@@ -136,7 +152,12 @@ def tp_problems(shape: TPShape, tp_size: int) -> list[str]:
         )
     if shape.intermediate_size % tp_size:
         problems.append(f"intermediate_size={shape.intermediate_size} is not divisible by tp_size={tp_size}")
-    if shape.num_experts and tp_size > 1:
+    if shape.num_experts and tp_size > 1 and split_experts and shape.moe_intermediate_size % tp_size:
+        problems.append(
+            f"moe_intermediate_size={shape.moe_intermediate_size} is not divisible by tp_size={tp_size} (each "
+            f"expert's gate/up rows and down columns are split across the ranks)"
+        )
+    if shape.num_experts and tp_size > 1 and not split_experts:
         problems.append(
             f"num_experts={shape.num_experts}: splitting MoE experts across TP ranks is not modeled (an MoE model "
             f"runs at tp_size=1 here, not tp_size={tp_size})"
@@ -150,6 +171,9 @@ def tp_problems(shape: TPShape, tp_size: int) -> list[str]:
 
 def shard_kind(hf_name: str) -> ShardKind:
     """How the engine splits the HF tensor `hf_name` across TP ranks."""
+    expert = _EXPERT_PROJECTION.search(hf_name)
+    if expert is not None:
+        return _EXPERT_KINDS[expert["proj"]]
     module = hf_name.rsplit(".", 1)[0]
     for suffix, kind in _MODULE_KINDS:
         if module == suffix or module.endswith("." + suffix):

@@ -140,7 +140,7 @@ def plan_direct(metas: Iterable[TensorMeta], *, layout: DirectLayout) -> DirectP
     groups = sglang_parameter_names(by_name, num_experts=shape.num_experts or None)
     problems = []
     for name, parts in sorted(groups.items()):
-        if parts == (name,) and (shard_kind(name) in _FUSED_KINDS or _EXPERT_PART.match(name)):
+        if parts == (name,) and (_plan_kind(name) in _FUSED_KINDS or _EXPERT_PART.match(name)):
             problems.append(
                 f"{name}: exported without the rest of its fused group, so the engine has no parameter of that name"
             )
@@ -178,12 +178,18 @@ def plan_direct(metas: Iterable[TensorMeta], *, layout: DirectLayout) -> DirectP
     return plan
 
 
+def _plan_kind(hf_name: str) -> ShardKind:
+    """`shard_kind`, except for MoE experts: a direct plan keeps MoE models at tp_size 1 (`tp_problems` refuses
+    more), where every expert is loaded whole into its stack."""
+    return ShardKind.REPLICATED if _EXPERT_PART.match(hf_name) else shard_kind(hf_name)
+
+
 def _piece(
     meta: TensorMeta, *, shape: TPShape, tp_rank: int, tp_size: int, offset: int
 ) -> tuple[Piece, tuple[int, ...]]:
     """The piece rank `tp_rank` keeps of one HF tensor and the shape of its local shard (padding included)."""
     rows, cols = matrix_shape(meta.shape)
-    kind = shard_kind(meta.name)
+    kind = _plan_kind(meta.name)
     if kind is ShardKind.ROW:
         size = meta.shape[-1] // tp_size
         piece = Piece(hf_name=meta.name, dim=1, start=tp_rank * size, end=(tp_rank + 1) * size, offset=0)
@@ -216,7 +222,7 @@ def coverage_problems(plan: DirectPlan, metas: Iterable[TensorMeta]) -> list[str
             if is_target_layer(meta.name, num_target_layers=layout.num_target_layers):
                 problems.append(f"{meta.name}: no rank receives any of it")
             continue
-        kind = shard_kind(meta.name)
+        kind = _plan_kind(meta.name)
         rows, cols = matrix_shape(meta.shape)
         length = cols if kind is ShardKind.ROW else rows
         expected = {
@@ -246,7 +252,7 @@ def _tiling_problems(param: DirectParam) -> list[str]:
         position = max(position, end)
     if position > length:
         problems.append(f"{param.name}: its pieces reach {position}, past its {length}")
-    elif position < length and not (dim == 0 and shard_kind(param.pieces[-1].hf_name) is ShardKind.VOCAB):
+    elif position < length and not (dim == 0 and _plan_kind(param.pieces[-1].hf_name) is ShardKind.VOCAB):
         problems.append(f"{param.name}: its pieces leave [{position}, {length}) unwritten")
     return problems
 

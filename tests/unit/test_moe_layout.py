@@ -1,5 +1,6 @@
 """Engine-exact rules for MoE experts: SGLang's FusedMoE names and stacking, AITER per expert, streaming digests,
-partial expert sets left unpredicted, TP>1 refused; and the dense reference recipe left as it was."""
+partial expert sets left unpredicted, the TP split modeled for the digests and refused elsewhere; and the dense
+reference recipe left as it was."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ SHAPE = TPShape(
     intermediate_size=2 * WIDTH,
     vocab_size=256,
     num_experts=E,
+    moe_intermediate_size=WIDTH,
 )
 
 
@@ -116,13 +118,34 @@ def test_expert_stacks_straddling_buckets_are_kept_until_complete(weight_layout)
     assert set(predicted) == {f"{HEAD}w13_weight", f"{HEAD}w2_weight", "model.layers.0.mlp.gate.weight"}
 
 
-def test_experts_split_across_tp_ranks_are_refused():
+def test_experts_split_across_tp_ranks_are_refused_where_the_split_is_not_modeled():
     assert tp_problems(SHAPE, 1) == []
     (problem,) = tp_problems(SHAPE, 2)
     assert "num_experts=4" in problem and "tp_size=2" in problem
+    assert tp_problems(SHAPE, 2, split_experts=True) == []
+    (odd,) = tp_problems(dataclasses.replace(SHAPE, moe_intermediate_size=33), 2, split_experts=True)
+    assert "moe_intermediate_size=33 is not divisible by tp_size=2" in odd
     config = {"hidden_size": H, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256}
-    assert TPShape.from_config({**config, "num_experts": 4}).num_experts == 4
+    moe = TPShape.from_config({**config, "num_experts": 4, "moe_intermediate_size": 32})
+    assert (moe.num_experts, moe.moe_intermediate_size) == (4, 32)
     assert TPShape.from_config(config).num_experts == 0
+
+
+def test_each_tp_rank_stacks_its_half_of_every_expert_as_fusedmoe_loads_it():
+    """FusedMoE at TP=2, expert parallelism off: rank r's w13[e] is expert e's gate rows then up rows of block r,
+    its w2[e] expert e's down columns of block r (SGLang's _load_w13 / _load_w2). Mutation: experts kept whole."""
+    tensors = expert_tensors()
+    half = WIDTH // 2
+    for rank in range(2):
+        engine = rank_engine_tensors(tensors, shape=SHAPE, tp_rank=rank, tp_size=2)
+        rows = slice(rank * half, (rank + 1) * half)
+        for e in range(E):
+            gate, up, down = (tensors[f"{HEAD}{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+            assert torch.equal(engine[HEAD + "w13_weight"][e], torch.cat([gate[rows], up[rows]]))
+            assert torch.equal(engine[HEAD + "w2_weight"][e], down[:, rows])
+        assert engine[HEAD + "w13_weight"].shape == (E, 2 * half, H)
+        assert engine[HEAD + "w2_weight"].shape == (E, H, half)
+        assert torch.equal(engine["model.layers.0.mlp.gate.weight"], tensors["model.layers.0.mlp.gate.weight"])
 
 
 def test_the_dense_recipe_and_its_digest_are_unchanged():
