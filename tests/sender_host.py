@@ -12,7 +12,7 @@ import asyncio
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ class SenderSettings:
     predict_engine_digests: bool = True
     quantization: Any = None  # a miles_sync.weights.fp8.Fp8Block: the sender quantizes to block FP8
     flush_cache: bool = False  # every update request flushes the engine's prefix cache (no session flush)
+    api_key: str | None = field(default=None, repr=False)  # the engines' keys, for the sender's own calls
+    admin_api_key: str | None = field(default=None, repr=False)
     bucket_timeout_s: float = 20.0
     open_timeout_s: float = 20.0
     http_timeout_s: float = 20.0
@@ -56,6 +58,8 @@ class SenderSettings:
             call_timeout_s=self.open_timeout_s + self.bucket_timeout_s,
             quantization=self.quantization,
             flush_cache=self.flush_cache,
+            api_key=self.api_key,
+            admin_api_key=self.admin_api_key,
         )
 
 

@@ -26,15 +26,20 @@ def sglang_server(
     tp_size: int = 1,
     device: str = "cpu",
     custom_weight_loaders: tuple[str, ...] = (),
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> Iterator[EngineLauncher]:
     """A real SGLang server (on the CPU unless `device` says "cuda") serving `model` on loopback; yields once
-    /health_generate answers; always stopped. `custom_weight_loaders`: its `--custom-weight-loader` paths."""
+    /health_generate answers; always stopped. `custom_weight_loaders`: its `--custom-weight-loader` paths;
+    `api_key` / `admin_api_key`: its `--api-key` / `--admin-api-key`."""
     spec = SGLangEngineSpec(
         model_path=str(model),
         tp_size=tp_size,
         device=device,
         python=str(python),
         custom_weight_loaders=custom_weight_loaders,
+        api_key=api_key,
+        admin_api_key=admin_api_key,
     )
     launcher = EngineLauncher(spec=spec, log_dir=log_dir, startup_timeout_s=STARTUP_TIMEOUT_S)
     try:
