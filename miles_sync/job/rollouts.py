@@ -91,6 +91,7 @@ def rollout_stats(
     its tokens may precede `version`'s in a sample, and only `version`'s tokens are compared with the trainer's
     (the earlier ones came from other weights by design)."""
     allowed = (version,) if earlier is None or earlier == version else (earlier, version)
+    has_logprobs = all(s.output_logprobs is not None for s in samples)
     diffs: list[float] = []
     tokens: dict[str, int] = {}
     is_tagged = True
@@ -100,17 +101,16 @@ def rollout_stats(
             tokens[v] = tokens.get(v, 0) + 1
         positions = [allowed.index(v) if v in allowed else -1 for v in versions]
         is_tagged = is_tagged and -1 not in positions and positions == sorted(positions)
-        if sample.output_logprobs is not None:
+        if has_logprobs:
             pairs = zip(trainer, sample.output_logprobs, versions, strict=True)
             diffs += [abs(a - b) for a, b, v in pairs if v == version]
-    has_logprobs = all(s.output_logprobs is not None for s in samples)
     return RolloutStats(
         reward=mean_reward(samples),
         reward_per_engine=tuple(mean_reward([s for s in samples if s.engine_url == u]) for u in urls),
         rule_share=sum(rule_share(s) for s in samples) / len(samples),
         accept_length=mean_accept_length(samples),
-        logprob_diff_max=max(diffs) if diffs and has_logprobs else None,
-        logprob_diff_mean=sum(diffs) / len(diffs) if diffs and has_logprobs else None,
+        logprob_diff_max=max(diffs) if diffs else None,
+        logprob_diff_mean=sum(diffs) / len(diffs) if diffs else None,
         trainer_step=scored.weight_step,
         samples_tagged=is_tagged and all(s.weight_version in allowed for s in samples),
         num_samples=len(samples),

@@ -169,6 +169,11 @@ def tp_problems(shape: TPShape, tp_size: int, *, split_experts: bool = False) ->
     return problems
 
 
+def is_expert_projection(hf_name: str) -> bool:
+    """Whether `hf_name` is one expert's gate, up or down projection in an MoE block (a part of FusedMoE's stacks)."""
+    return _EXPERT_PROJECTION.search(hf_name) is not None
+
+
 def shard_kind(hf_name: str) -> ShardKind:
     """How the engine splits the HF tensor `hf_name` across TP ranks."""
     expert = _EXPERT_PROJECTION.search(hf_name)

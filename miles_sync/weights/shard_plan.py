@@ -28,6 +28,7 @@ from miles_sync.weights.checksum import sglang_fused_tensor, sglang_parameter_na
 from miles_sync.weights.engine_layout import (
     ShardKind,
     TPShape,
+    is_expert_projection,
     is_linear_weight,
     shard_kind,
     shard_rows,
@@ -40,7 +41,6 @@ from miles_sync.wire.text import raise_if
 __all__ = ["DirectLayout", "DirectPlan", "assemble_param", "build_param", "is_target_layer", "plan_direct"]
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
-_EXPERT_PART = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 # HF tensors that only exist in the engine as part of a fused parameter.
 _FUSED_KINDS = (ShardKind.QUERY, ShardKind.KEY_VALUE, ShardKind.COLUMN)
 
@@ -140,7 +140,7 @@ def plan_direct(metas: Iterable[TensorMeta], *, layout: DirectLayout) -> DirectP
     groups = sglang_parameter_names(by_name, num_experts=shape.num_experts or None)
     problems = []
     for name, parts in sorted(groups.items()):
-        if parts == (name,) and (_plan_kind(name) in _FUSED_KINDS or _EXPERT_PART.match(name)):
+        if parts == (name,) and (_plan_kind(name) in _FUSED_KINDS or is_expert_projection(name)):
             problems.append(
                 f"{name}: exported without the rest of its fused group, so the engine has no parameter of that name"
             )
@@ -181,7 +181,7 @@ def plan_direct(metas: Iterable[TensorMeta], *, layout: DirectLayout) -> DirectP
 def _plan_kind(hf_name: str) -> ShardKind:
     """`shard_kind`, except for MoE experts: a direct plan keeps MoE models at tp_size 1 (`tp_problems` refuses
     more), where every expert is loaded whole into its stack."""
-    return ShardKind.REPLICATED if _EXPERT_PART.match(hf_name) else shard_kind(hf_name)
+    return ShardKind.REPLICATED if is_expert_projection(hf_name) else shard_kind(hf_name)
 
 
 def _piece(
