@@ -1,6 +1,7 @@
 """The transport seam: how one flattened bucket travels from the trainer's source rank to every engine.
 
-Two implementations, chosen once by name (`create_transport`), never branched on in a hot loop:
+Four implementations, chosen once by name (their registry rows: `open_rank_transport`, `open_routed_rank`), never
+branched on in a hot loop:
 - `distributed`: one broadcast per bucket over the update group (gloo on CPU, NCCL on GPU), announced to every
   engine by an `update_weights_from_distributed` POST;
 - `colocated`: one `update_weights_from_tensor` POST per engine carrying a handle per engine TP rank (CPU shared
@@ -134,11 +135,12 @@ class TransportKind(WireEnum):
 @dataclass(frozen=True, kw_only=True)
 class TransportSpec:
     """A registered transport, its one row: where its per-rank factory lives (imported lazily: an async function of
-    `module` taking (engines, setup) and returning a RankTransport), what it needs of the controller and the
-    engines (an update group, endpoints), and how buckets reach the engines."""
+    `module` taking (engines, setup) and returning a RankTransport; None for a transport without that gathered
+    form, which `open_rank_transport` refuses), what it needs of the controller and the engines (an update group,
+    endpoints), and how buckets reach the engines."""
 
     module: str
-    rank_factory: str
+    rank_factory: str | None
     needs_update_group: bool
     endpoints: tuple[str, ...]
     # Buckets travel as handles to CPU shared memory: the sender packs straight into shared buffers, else every
@@ -153,8 +155,8 @@ class TransportSpec:
     needs_engine_layouts: bool = False
     # Every trainer rank sends its own shards, with no gather, for a source whose ranks hold them (a Megatron
     # ModelSource in raw conversion): the dotted path of an async function taking (engines, setup, bucket_bytes,
-    # holdings) and returning a RoutedRankTransport (`open_routed_rank`). A source of full HF tensors runs
-    # `rank_factory`.
+    # holdings) and returning a RoutedRankTransport (`open_routed_rank`). A source of full HF tensors (bridge
+    # conversion) runs `rank_factory`.
     routed_factory: str | None = None
     # Feeders are spread over the trainer ranks from the engines' TP sizes (feeds.plan_spread_feeds), not tied to
     # the engines' devices: engines anywhere, every trainer rank takes part.
@@ -190,7 +192,7 @@ TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: 
     ),
     TransportKind.P2P: TransportSpec(
         module="miles_sync.transport.p2p",
-        rank_factory="open_p2p_rank",
+        rank_factory=None,  # only the routed form: every trainer rank sends its own shards
         needs_update_group=False,
         endpoints=("/update_weights_from_tensor",),
         needs_engine_layouts=True,
@@ -318,7 +320,13 @@ async def open_routed_rank(
 
 async def open_rank_transport(name: str, *, engines: Sequence[EngineEndpoint], setup: RankSetup) -> RankTransport:
     """This trainer rank's side of transport `name` over `engines` (in membership order), built by its registry
-    row's `rank_factory`. Every trainer rank calls it at once (a transport fed by every rank may open a group)."""
+    row's `rank_factory`. Every trainer rank calls it at once (a transport fed by every rank may open a group).
+    Raises ValueError for a transport with only a routed form (a source of full HF tensors cannot feed it)."""
     spec = transport_spec(name)
+    if spec.rank_factory is None:
+        raise ValueError(
+            f"the {name} transport sends each trainer rank's own shards and has no form for a source of full HF "
+            "tensors: it needs raw conversion (sync.conversion=raw); use the distributed transport otherwise"
+        )
     factory = getattr(importlib.import_module(spec.module), spec.rank_factory)
     return await factory(engines=engines, setup=setup)

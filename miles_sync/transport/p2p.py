@@ -454,11 +454,3 @@ async def open_p2p_routed_rank(
         await rank.close(timeout_s=setup.fan_out_timeout_s)
         raise
     return rank
-
-
-async def open_p2p_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> object:
-    """The gathered form (a source of full HF tensors: bridge conversion): not built; refused."""
-    raise ValueError(
-        "the p2p transport sends each trainer rank's own shards: it needs raw conversion (sync.conversion=raw); "
-        "use the distributed transport otherwise"
-    )

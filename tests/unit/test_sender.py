@@ -17,7 +17,16 @@ from miles_sync.sync.packing import pair_with_plans
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.verify import checksum_problems
-from miles_sync.transport.base import TRANSPORTS, TransportError, TransportSpec, source_rank, transport_spec
+from miles_sync.transport.base import (
+    TRANSPORTS,
+    RankSetup,
+    TransportError,
+    TransportSpec,
+    open_rank_transport,
+    open_routed_rank,
+    source_rank,
+    transport_spec,
+)
 from miles_sync.transport.colocated import flattened_metadata
 from miles_sync.transport.distributed import bucket_request
 from miles_sync.transport.feeds import FeedRole
@@ -178,6 +187,16 @@ def test_transport_registry():
     assert transport_spec("distributed").needs_update_group and not transport_spec("colocated").needs_update_group
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; registered: colocated, distributed"):
         transport_spec("carrier-pigeon")
+
+
+def test_the_registry_refuses_a_form_a_transport_does_not_have():
+    setup = RankSetup(is_source=True, connect=lambda url: None)
+    engines = [EngineEndpoint(url="http://127.0.0.1:1", tp_size=1)]
+    assert transport_spec("p2p").rank_factory is None  # p2p only sends each rank's own shards
+    with pytest.raises(ValueError, match=r"the p2p transport .* needs raw conversion \(sync.conversion=raw\)"):
+        asyncio.run(open_rank_transport("p2p", engines=engines, setup=setup))
+    with pytest.raises(ValueError, match="the distributed transport has no routed form"):
+        asyncio.run(open_routed_rank("distributed", engines=engines, setup=setup, bucket_bytes=1, holdings=()))
 
 
 # ---- verification ----------------------------------------------------------------------------------------------
