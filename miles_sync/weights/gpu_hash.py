@@ -37,7 +37,6 @@ _SEED2 = ((_SEED * 0x9E3779B1) ^ 0xDEADBEEF) & _MASK32
 _FMIX_C1, _FMIX_C2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 _KEYS = ((0x27D4EB2D, _SEED1, 15), (0x165667B1, _SEED2, 13))  # (position constant, seed, rotation) of p1 and p2
 _TILE_WORDS = 8192
-_BLOCK_WORDS = 256  # the kernel's step inside a tile: it only splits the tile's sum, so nothing here needs it
 _CHUNK_WORDS = 32 * _TILE_WORDS  # 1 MiB of words per step: whole tiles, cache-sized (fastest measured here)
 _OFFSETS: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...]]] = {}  # by chunk size
 

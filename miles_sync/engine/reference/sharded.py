@@ -143,10 +143,6 @@ class ShardedRunner(StoredRunner):
             raise ValueError(f"{self.role} runner does not own tensor {name!r}")
         return meta
 
-    def engine_parts(self) -> dict[str, tuple[str, ...]]:
-        """{engine parameter name: the HF names it fuses, in row order}."""
-        return {name: tuple(part.hf_name for part in parts) for name, parts in self._parts.items()}
-
     def shuffled_names(self) -> frozenset[str]:
         """Engine names stored in the runner's layout after finalize (empty with WeightLayout.NONE)."""
         return self._shuffled
