@@ -48,9 +48,6 @@ class GroupMembership:
 
     source_rank: int = 0
 
-    def with_port(self, port: int) -> GroupMembership:
-        return replace(self, master_port=port)
-
     def bound_to(self, *, address: str, port: int) -> GroupMembership:
         """The membership as the source rank started its store: at `address`:`port`."""
         return replace(self, master_address=address, master_port=port)

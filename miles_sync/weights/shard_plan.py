@@ -117,10 +117,6 @@ class DirectPlan:
     layout: DirectLayout
     ranks: tuple[tuple[DirectParam, ...], ...]
 
-    @property
-    def num_bytes_per_rank(self) -> tuple[int, ...]:
-        return tuple(sum(p.num_bytes for p in params) for params in self.ranks)
-
     def parts(self) -> dict[str, tuple[str, ...]]:
         """{engine parameter name: the HF names it is built from}, the same on every rank."""
         return {p.name: p.parts for p in self.ranks[0]}

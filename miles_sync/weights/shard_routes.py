@@ -174,15 +174,6 @@ def route_direct(
     return tuple(routes)
 
 
-def moved_bytes(routes: Iterable[Route], metas: Mapping[str, TensorMeta]) -> dict[tuple[int, int], int]:
-    """Bytes each (source, feeder) pair of distinct trainer ranks moves per sync under `routes`."""
-    moved: dict[tuple[int, int], int] = defaultdict(int)
-    for route in routes:
-        if route.source != route.feeder:
-            moved[(route.source, route.feeder)] += route.num_bytes(metas[route.hf_name])
-    return dict(moved)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Build:
     """One buffer a trainer rank builds per bucket: engine rank `tp_rank` of engine layout `layout`, built on trainer
@@ -221,10 +212,6 @@ class RoutedSchedule:
 
     builds: tuple[Build, ...]
     buckets: tuple[RoutedBucket, ...]
-
-    def moved_bytes(self, metas: Mapping[str, TensorMeta]) -> dict[tuple[int, int], int]:
-        """Bytes each (source, feeder) pair of distinct trainer ranks moves per sync."""
-        return moved_bytes((r for b in self.buckets for r in b.routes), metas)
 
 
 def plan_routed(

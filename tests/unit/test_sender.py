@@ -151,7 +151,7 @@ def test_membership_ranks(tp_sizes, offsets, world_size):
     membership = plan_membership(engines=engines, group_name="g", backend="gloo", master_address="127.0.0.1")
     assert membership.world_size == world_size and membership.source_rank == 0 and membership.master_port == 0
     assert [e.rank_offset for e in membership.engines] == offsets
-    bound = membership.with_port(29500)
+    bound = membership.bound_to(address="127.0.0.1", port=29500)
     for engine, offset in zip(engines, offsets):
         request = bound.init_request(engine.url)
         assert (request.rank_offset, request.world_size, request.master_port) == (offset, world_size, 29500)
