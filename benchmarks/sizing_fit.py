@@ -44,6 +44,7 @@ import bench_sync  # noqa: E402
 from _sync_models import MODELS, checkpoint_dir  # noqa: E402
 
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
+from miles_sync.env import read_environment  # noqa: E402
 from miles_sync.sizing.collective import BroadcastAlgorithm, binomial_depth, broadcast_seconds  # noqa: E402
 from miles_sync.sizing.costs import Costs  # noqa: E402
 from miles_sync.sizing.projection import Cluster, EngineFleet, TrainerLayout, Transport, project  # noqa: E402
@@ -309,7 +310,7 @@ def machine_record() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("MILES_SYNC_CACHE", "~/.cache/miles_sync")))
+    parser.add_argument("--cache", type=Path, default=Path(read_environment().cache_dir))  # MILES_SYNC_CACHE_DIR
     parser.add_argument("--log-dir", type=Path, default=Path("outputs/sizing_fit_logs"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write-costs", type=Path, default=None, help="write the fitted costs JSON here")
