@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 600
 SMALL = ["rollout.num_prompts=3", "rollout.max_new_tokens=16"]
-NUM_LEARNING_ROUNDS = 8  # the default run learns within 10; 8 already clear the bar on seed 0 (README: Main job)
+NUM_LEARNING_ROUNDS = 8  # the default run learns within 10; 8 already clear the bar on seed 0 (docs/main-job.md)
 TARGET_TENSORS = 25  # tensors of the reference target alone (the default run's sync, selector target)
 
 

@@ -107,7 +107,7 @@ def test_disaggregated_sync_across_nodes_binds_every_listener_to_its_node(cluste
         trainer_pids = [pid_of(a) for a in trainers.actors]
         before = own_listeners(trainer_pids)
         # Set-up's listeners: the trainer group's store on the head's address; torch's default group and
-        # Megatron's (outside miles_sync's audit, README "Several nodes") on the loopback interface's 127.0.0.1.
+        # Megatron's (outside miles_sync's audit, docs/cluster.md#several-nodes) on the loopback interface's 127.0.0.1.
         assert before and {s.address for s in before} <= {HEAD_IP, "127.0.0.1"}, before
         assert HEAD_IP in {s.address for s in before}
 

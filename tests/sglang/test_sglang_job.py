@@ -7,7 +7,7 @@ engine-exact by the servers' own checker, every engine's prefix cache flushed wi
 /flush_cache sent; every round's rollouts have tokens from the version before the sync (they started before the
 step: mutation, overlap ignored) and only from it and the synced one, in that order, and the synced version's
 tokens' log-probs agree with the trainer's (a retracted request is prefilled again on the new weights). (Learning
-over 10 rounds on real servers is a README run; this checks the launch path and the job's sync on real
+over 10 rounds on real servers is a docs/sglang.md run; this checks the launch path and the job's sync on real
 servers.)"""
 
 from __future__ import annotations
