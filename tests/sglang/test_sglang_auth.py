@@ -137,7 +137,7 @@ def test_syncs_into_servers_with_api_keys_verify_and_every_route_refuses_a_wrong
 
 
 def test_the_server_logs_are_the_only_place_a_key_is_written(servers):
-    """What the README says about keys and logs: SGLang prints its ServerArgs (api_key included) at start-up."""
+    """What docs/sglang.md says about keys and logs: SGLang prints its ServerArgs (api_key included) at start-up."""
     _, log_dir = servers
     logs = "".join(p.read_text(errors="replace") for p in log_dir.rglob("*") if p.is_file())
-    assert API_KEY in logs, "SGLang no longer prints its api_key at start-up: update the README and this test"
+    assert API_KEY in logs, "SGLang no longer prints its api_key at start-up: update docs/sglang.md and this test"
