@@ -196,112 +196,188 @@ def project(
             raise ValueError("p2p sends each rank's own shards at send time: it has no staged form")
         layout = dict(trainer=trainer, engines=engines, cluster=cluster)
         return _project_p2p(shape, **layout, costs=costs, dtype=dtype, bucket_bytes=bucket_bytes, verify=verify)
+    sync = _Sync(
+        transport=transport,
+        trainer=trainer,
+        engines=engines,
+        cluster=cluster,
+        costs=costs,
+        verify=verify,
+        staged=staged,
+        algorithm=algorithm,
+    )
     stages = _stages(shape, dtype=dtype, pp=trainer.pp)
     total = sum(s.num_bytes for s in stages)
-    memcpy, hasher = costs.memcpy_gbps * 1e9, costs.hash_gbps * 1e9
-    ranks = engines.num_ranks
-    fits_node = trainer.stage_width <= cluster.gpus_per_node
-    gather_bw = (cluster.intra if fits_node else cluster.link_gbps) * 1e9
-    stages_share_node = trainer.stage_width * trainer.pp <= cluster.gpus_per_node
-    hop_bw = (cluster.intra if stages_share_node else cluster.link_gbps) * 1e9
-    # Processes sharing cores (the fit machine): engine-side work queues behind the other ranks'.
-    contention = 1.0 if cluster.shared_cores is None else max(1.0, ranks / cluster.shared_cores)
+    sources, hop = _sources(sync, stages, total=total)
+    sent = _send(sync, sources, hop=hop, bucket_bytes=bucket_bytes)
+    terms = sent.terms
+    verify_s = total / engines.tp / sync.hasher * sync.contention if verify else 0.0
+    fixed = costs.per_sync_s + costs.per_engine_s * engines.count
+    terms["verify"] = verify_s
+    terms["per_call"] += fixed
+    pause = fixed + sent.send_s + verify_s
+    bucket = min(bucket_bytes, max(s.num_bytes for s in stages))
+    return Projection(
+        transport=transport,
+        sync_s=sent.stage_s + pause,
+        pause_s=pause,
+        stage_s=sent.stage_s,
+        sender_extra_bytes=_sender_extra_bytes(stages, transport=transport, total=total, bucket=bucket, staged=staged),
+        engine_rank_extra_bytes=0 if transport is Transport.COLOCATED else bucket,
+        num_bytes=total,
+        num_tensors=shape.num_tensors(dtype),
+        num_buckets=sent.num_buckets,
+        terms=terms,
+    )
 
-    def gather_s(s: _Stage) -> float:
-        tp_part = s.tp_bytes * (trainer.tp - 1) / trainer.tp
-        ep_part = s.expert_bytes * (1 - 1 / (trainer.ep * trainer.etp))
+
+@dataclass(frozen=True, kw_only=True)
+class _Sync:
+    """A broadcast, per-stage or colocated sync's inputs, and its per-byte terms (the module docstring's)."""
+
+    transport: Transport
+    trainer: TrainerLayout
+    engines: EngineFleet
+    cluster: Cluster
+    costs: Costs
+    verify: bool
+    staged: bool
+    algorithm: BroadcastAlgorithm | None
+
+    @property
+    def memcpy(self) -> float:
+        return self.costs.memcpy_gbps * 1e9
+
+    @property
+    def hasher(self) -> float:
+        return self.costs.hash_gbps * 1e9
+
+    @property
+    def fresh(self) -> float:
+        return self.costs.fresh_copy_gbps * 1e9
+
+    @property
+    def contention(self) -> float:
+        """Processes sharing cores (the fit machine): engine-side work queues behind the other ranks'."""
+        shared_cores = self.cluster.shared_cores
+        return 1.0 if shared_cores is None else max(1.0, self.engines.num_ranks / shared_cores)
+
+    def gather_s(self, stage: _Stage) -> float:
+        trainer, cluster = self.trainer, self.cluster
+        fits_node = trainer.stage_width <= cluster.gpus_per_node
+        gather_bw = (cluster.intra if fits_node else cluster.link_gbps) * 1e9
+        tp_part = stage.tp_bytes * (trainer.tp - 1) / trainer.tp
+        ep_part = stage.expert_bytes * (1 - 1 / (trainer.ep * trainer.etp))
         return (tp_part + ep_part) / gather_bw
 
-    fresh = costs.fresh_copy_gbps * 1e9
+    def prep_s(self, num_bytes: int) -> float:
+        """The source's packing; a staged one packs into fresh memory and hashes."""
+        if self.staged:
+            return num_bytes / self.fresh + (num_bytes / self.hasher if self.verify else 0.0)
+        return num_bytes / self.memcpy
 
-    def prep_s(num_bytes: int) -> float:  # the source's packing; a staged one packs into fresh memory and hashes
-        if staged:
-            return num_bytes / fresh + (num_bytes / hasher if verify else 0.0)
-        return num_bytes / memcpy
+    def load_s(self, num_bytes: int) -> float:
+        # Seconds per byte sent, per engine rank (the ranks load in parallel).
+        load_one = 1.0 / self.engines.tp / (self.costs.load_gbps * 1e9) * self.contention
+        return num_bytes * load_one
 
-    # Seconds per byte sent, per engine rank (the ranks load in parallel).
-    load_one = 1.0 / engines.tp / (costs.load_gbps * 1e9) * contention
-
-    def link_s(num_bytes: int, num_buckets: int) -> float:
-        if transport is Transport.COLOCATED:
+    def link_s(self, num_bytes: int, num_buckets: int) -> float:
+        if self.transport is Transport.COLOCATED:
             return 0.0
+        costs, cluster = self.costs, self.cluster
         bucket = num_bytes / max(1, num_buckets)
         one = broadcast_seconds(
             bucket,
-            num_receivers=ranks,
+            num_receivers=self.engines.num_ranks,
             link_gbps=cluster.link_gbps,
-            algorithm=costs.algorithm if algorithm is None else algorithm,
+            algorithm=costs.algorithm if self.algorithm is None else self.algorithm,
             latency_s=costs.link_latency_s if cluster.latency_s is None else cluster.latency_s,
             shares_nic=cluster.shares_nic,
         )
         return one * num_buckets
 
-    # The sources of this transport: (bytes, tensors, source seconds before the first byte leaves).
-    if transport is Transport.PER_STAGE:
-        sources = [(s.num_bytes, s.num_tensors, gather_s(s)) for s in stages]
-        hop = 0.0
-    else:
-        hop_bytes = sum(s.num_bytes for s in stages[1:])
-        if transport is Transport.COLOCATED:
-            # A node lacks the stages on other nodes: 1 - 1/(nodes one replica spans) of the bytes.
-            nodes = max(1, math.ceil(trainer.stage_width * trainer.pp / cluster.gpus_per_node))
-            hop_bytes = int(total * (1 - 1 / nodes))
-            hop_bw = cluster.link_gbps * 1e9 if nodes > 1 else hop_bw
-        hop = hop_bytes / hop_bw
-        sources = [(total, sum(s.num_tensors for s in stages), max(gather_s(s) for s in stages) + hop)]
+
+@dataclass(frozen=True)
+class _Source:
+    """One source of a sync: the bytes and tensors it sends, and its seconds before the first byte leaves."""
+
+    num_bytes: int
+    num_tensors: int
+    gather_s: float
+
+
+def _sources(sync: _Sync, stages: list[_Stage], *, total: int) -> tuple[list[_Source], float]:
+    """The transport's sources, and the PP hop's seconds (0 per stage: each stage is its own source)."""
+    trainer, cluster = sync.trainer, sync.cluster
+    if sync.transport is Transport.PER_STAGE:
+        return [_Source(s.num_bytes, s.num_tensors, sync.gather_s(s)) for s in stages], 0.0
+    stages_share_node = trainer.stage_width * trainer.pp <= cluster.gpus_per_node
+    hop_bw = (cluster.intra if stages_share_node else cluster.link_gbps) * 1e9
+    hop_bytes = sum(s.num_bytes for s in stages[1:])
+    if sync.transport is Transport.COLOCATED:
+        # A node lacks the stages on other nodes: 1 - 1/(nodes one replica spans) of the bytes.
+        nodes = max(1, math.ceil(trainer.stage_width * trainer.pp / cluster.gpus_per_node))
+        hop_bytes = int(total * (1 - 1 / nodes))
+        hop_bw = cluster.link_gbps * 1e9 if nodes > 1 else hop_bw
+    hop = hop_bytes / hop_bw
+    num_tensors = sum(s.num_tensors for s in stages)
+    return [_Source(total, num_tensors, max(sync.gather_s(s) for s in stages) + hop)], hop
+
+
+@dataclass(frozen=True)
+class _Sent:
+    send_s: float  # when the last source's last bucket is loaded, from the first export
+    stage_s: float  # before the pause (staged); 0 otherwise
+    num_buckets: int
+    terms: dict[str, float]  # every term but the engines' verification and the per-sync costs
+
+
+def _send(sync: _Sync, sources: list[_Source], *, hop: float, bucket_bytes: int) -> _Sent:
+    """The sources' sends, one after another (the module docstring's send and per_stage rules)."""
+    costs, cluster = sync.costs, sync.cluster
     terms = dict.fromkeys(("gather", "pp_hop", "pack", "hash", "link", "load", "verify", "per_call"), 0.0)
     terms["pp_hop"] = hop
-    send = stage_total = 0.0  # send: when the last source's last bucket is loaded, from the first export
+    send = stage_total = 0.0
     num_buckets = 0
-    for index, (num_bytes, num_tensors, gather) in enumerate(sources):
+    for index, source in enumerate(sources):
+        num_bytes = source.num_bytes
         k = max(1, math.ceil(num_bytes / bucket_bytes))
         num_buckets += k
-        source = gather + prep_s(num_bytes)
-        link = link_s(num_bytes, k)
-        load = num_bytes * load_one
-        digests = num_bytes / hasher if verify and not staged else 0.0  # own thread, while the bucket is sent
+        ready = source.gather_s + sync.prep_s(num_bytes)
+        link = sync.link_s(num_bytes, k)
+        load = sync.load_s(num_bytes)
+        # The sender's digests run on a thread of their own, while the bucket is sent.
+        digests = num_bytes / sync.hasher if sync.verify and not sync.staged else 0.0
         sink = max(link + load, digests)
-        calls = k * costs.per_bucket_s + num_tensors * costs.per_tensor_s
-        if staged:
-            stage_total = max(stage_total, source)  # stages pack concurrently, before the pause
+        calls = k * costs.per_bucket_s + source.num_tensors * costs.per_tensor_s
+        if sync.staged:
+            stage_total = max(stage_total, ready)  # stages pack concurrently, before the pause
             send += sink + calls
         elif index > 0:  # a later stage packed ahead while the earlier ones sent; its turn is send + load only
-            send = max(send, source + digests) + link + load + calls
+            send = max(send, ready + digests) + link + load + calls
         else:
-            send = _pipeline(source, sink, num_buckets=k, overlap=costs.overlap) + calls
+            send = _pipeline(ready, sink, num_buckets=k, overlap=costs.overlap) + calls
             if cluster.shared_cores is not None:  # all CPU work over the cores bounds it from below
-                cpu = prep_s(num_bytes) + digests + num_bytes / (costs.load_gbps * 1e9) * ranks / engines.tp
+                loads = num_bytes / (costs.load_gbps * 1e9) * sync.engines.num_ranks / sync.engines.tp
+                cpu = sync.prep_s(num_bytes) + digests + loads
                 send = max(send, cpu / cluster.shared_cores + calls)
-        terms["gather"] += gather - (hop if transport is not Transport.PER_STAGE else 0.0)
-        terms["pack"] += num_bytes / (fresh if staged else memcpy)
-        terms["hash"] += num_bytes / hasher if verify else 0.0
+        terms["gather"] += source.gather_s - (hop if sync.transport is not Transport.PER_STAGE else 0.0)
+        terms["pack"] += num_bytes / (sync.fresh if sync.staged else sync.memcpy)
+        terms["hash"] += num_bytes / sync.hasher if sync.verify else 0.0
         terms["link"] += link
         terms["load"] += load
         terms["per_call"] += calls
-    verify_s = total / engines.tp / hasher * contention if verify else 0.0
-    fixed = costs.per_sync_s + costs.per_engine_s * engines.count
-    terms["verify"] = verify_s
-    terms["per_call"] += fixed
-    pause = fixed + send + verify_s
-    bucket = min(bucket_bytes, max(s.num_bytes for s in stages))
+    return _Sent(send_s=send, stage_s=stage_total, num_buckets=num_buckets, terms=terms)
+
+
+def _sender_extra_bytes(stages: list[_Stage], *, transport: Transport, total: int, bucket: int, staged: bool) -> int:
+    """Sender 2 buckets (double buffer) or, staged, its packed stage(s); per stage, a later stage holds its packed
+    share until its turn."""
     if staged:
-        sender_extra = total if transport is not Transport.PER_STAGE else max(s.num_bytes for s in stages)
-    elif transport is Transport.PER_STAGE and len(stages) > 1:  # a later stage holds its packed share
-        sender_extra = max(2 * bucket, max(s.num_bytes for s in stages[1:]))
-    else:
-        sender_extra = 2 * bucket
-    return Projection(
-        transport=transport,
-        sync_s=stage_total + pause,
-        pause_s=pause,
-        stage_s=stage_total,
-        sender_extra_bytes=sender_extra,
-        engine_rank_extra_bytes=0 if transport is Transport.COLOCATED else bucket,
-        num_bytes=total,
-        num_tensors=shape.num_tensors(dtype),
-        num_buckets=num_buckets,
-        terms=terms,
-    )
+        return total if transport is not Transport.PER_STAGE else max(s.num_bytes for s in stages)
+    if transport is Transport.PER_STAGE and len(stages) > 1:
+        return max(2 * bucket, max(s.num_bytes for s in stages[1:]))
+    return 2 * bucket
 
 
 def _project_p2p(

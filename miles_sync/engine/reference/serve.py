@@ -53,7 +53,7 @@ from miles_sync.engine.reference.runner import DRAFT_KINDS, load_runners
 from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.reference.server import ServerSettings, create_app
 from miles_sync.engine.settings import FinalizePolicy, LoraSettings
-from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, read_environment
+from miles_sync.env import ENGINE_ADMIN_API_KEY_VARIABLE, ENGINE_API_KEY_VARIABLE, Environment, read_environment
 from miles_sync.weights.checksum import TensorHash
 from miles_sync.weights.engine_layout import TPShape, tp_problems
 from miles_sync.weights.fp8 import block_from_config
@@ -73,10 +73,29 @@ logger = logging.getLogger("miles_sync.engine.reference")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: every bad value is named in one usage error (exit 2)."""
     env = read_environment()
     parser = argparse.ArgumentParser(
         prog="python -m miles_sync.engine.reference.serve", description=__doc__.split("\n")[0]
     )
+    # The groups add their flags in --help's order.
+    _add_model_arguments(parser)
+    _add_checker_arguments(parser)
+    _add_server_arguments(parser, env=env)
+    _add_runtime_arguments(parser, env=env)
+    _add_loader_arguments(parser)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if args.checksum_names is None:
+        args.checksum_names = (ChecksumNames.HF if args.tp_size == 1 else ChecksumNames.ENGINE).value
+    problems = _argument_problems(args)
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the engine serves: the checkpoints, the draft, the weight layout and the finalize policy."""
     parser.add_argument("--model", required=True, help="target checkpoint directory (config.json + safetensors)")
     parser.add_argument("--draft-kind", choices=DRAFT_KINDS, default="none")
     parser.add_argument("--draft", default=None, help="standalone draft checkpoint directory")
@@ -84,6 +103,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weight-layout", choices=[layout.value for layout in WeightLayout], default="none")
     parser.add_argument("--finalize-policy", choices=[p.value for p in FinalizePolicy], default="strict")
     parser.add_argument("--spec-steps", type=int, default=3)
+
+
+def _add_checker_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the weights checker names and hashes, and the TP size and draft role that decide its names."""
     parser.add_argument(
         "--checksum-names",
         choices=[n.value for n in ChecksumNames],
@@ -100,6 +123,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each")
     parser.add_argument("--draft-role", choices=DRAFT_ROLES, default=DRAFT_ROLES[0])
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser, *, env: Environment) -> None:
+    """Where the HTTP server listens, and its keys."""
     parser.add_argument("--host", default=env.host)
     parser.add_argument("--port", type=int, default=0, help="0: the OS picks a free port")
     parser.add_argument(
@@ -112,9 +139,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=env.engine_admin_api_key,
         help=f"key of the admin routes; prefer ${ENGINE_ADMIN_API_KEY_VARIABLE}",
     )
+
+
+def _add_runtime_arguments(parser: argparse.ArgumentParser, *, env: Environment) -> None:
+    """Threads and waits."""
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--collective-timeout-s", type=float, default=env.collective_timeout_s)
     parser.add_argument("--generate-timeout-s", type=float, default=600.0)
+
+
+def _add_loader_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a weight update may load besides the checkpoint's tensors: LoRA adapters and custom loaders."""
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded from tensors")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank accepted")
     parser.add_argument(
@@ -129,14 +164,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[],
         help="import paths a tensor update may name as its load_format (SGLang's flag of the same name)",
     )
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
+
+
+def _argument_problems(args: argparse.Namespace) -> list[str]:
+    """Every bad value or combination, by flag; `args.checksum_names` is already resolved from --tp-size."""
     problems = []
     if args.tp_size < 1:
         problems.append(f"--tp-size {args.tp_size} must be >= 1")
-    if args.checksum_names is None:
-        args.checksum_names = (ChecksumNames.HF if args.tp_size == 1 else ChecksumNames.ENGINE).value
-    elif args.tp_size > 1 and args.checksum_names != ChecksumNames.ENGINE.value:
+    if args.tp_size > 1 and args.checksum_names != ChecksumNames.ENGINE.value:
         problems.append(f"--checksum-names {args.checksum_names} needs --tp-size 1: TP ranks hold shards")
     if args.tensor_hash != TensorHash.SHA256.value and args.checksum_names != ChecksumNames.ENGINE.value:
         problems.append(f"--tensor-hash {args.tensor_hash} needs --checksum-names engine")
@@ -152,9 +187,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         problems.append("--api-key is empty")
     if args.admin_api_key is not None and not args.admin_api_key:
         problems.append("--admin-api-key is empty")
-    if problems:
-        parser.error("; ".join(problems))
-    return args
+    return problems
 
 
 def build_engine(args: argparse.Namespace) -> ReferenceEngine:

@@ -177,37 +177,83 @@ def create_app(
     for what, key in (("api_key", api_key), ("admin_api_key", admin_api_key)):
         if key is not None and not key:
             raise ValueError(f"{what} must be None or a non-empty string")
-    executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="reference-http")
+    handlers = _Handlers(engine, settings=settings, num_threads=num_threads)
     middlewares = [_auth_middleware(api_key=api_key, admin_api_key=admin_api_key), _error_middleware]
     if on_crash is not None:
         middlewares.append(_crash_middleware(on_crash))
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    _add_routes(app.router, handlers)
+    app.on_cleanup.append(handlers.shutdown)
+    return app
 
-    async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
 
-    def weight_handler(path: str, method_name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+def _add_routes(router: web.UrlDispatcher, handlers: _Handlers) -> None:
+    for path, method_name in _WEIGHT_METHODS.items():
+        router.add_post(path, handlers.weight_handler(path, method_name))
+    router.add_post("/load_lora_adapter_from_tensors", handlers.load_lora_adapter_from_tensors)
+    router.add_post("/unload_lora_adapter", handlers.unload_lora_adapter)
+    router.add_post("/pause_generation", handlers.pause_generation)
+    router.add_post("/continue_generation", handlers.continue_generation)
+    router.add_post("/flush_cache", handlers.flush_cache)
+    router.add_get("/flush_cache", handlers.flush_cache)
+    router.add_post("/generate", handlers.generate)
+    router.add_get("/health_generate", handlers.health_generate)
+    router.add_get("/health", handlers.health)
+    router.add_get("/model_info", handlers.model_info)
+    router.add_get("/get_model_info", handlers.model_info)
+    router.add_get("/get_server_info", handlers.server_info)
+    router.add_get("/server_info", handlers.server_info)  # SGLang 0.5.23's newer name; the router asks for it first
+    router.add_get("/get_draft_report", handlers.draft_report)
+
+
+class _Handlers:
+    """The route handlers over one engine, and the thread pool its blocking calls run on (`shutdown` ends it)."""
+
+    def __init__(self, engine: ReferenceEngine, *, settings: ServerSettings, num_threads: int) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="reference-http")
+        # SGLang's top-level weight_version is the launch value; /model_info and generation carry the current one.
+        self._launch_weight_version = engine.weight_version
+
+    async def shutdown(self, app: web.Application) -> None:
+        del app
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    # Weight updates and generation control: the engine's blocking calls, on the thread pool.
+
+    def weight_handler(self, path: str, method_name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         request_cls = ENDPOINTS[path]
-        method = getattr(engine, method_name)
+        method = getattr(self._engine, method_name)
 
         async def handle(request: web.Request) -> web.Response:
             body = decode(request_cls, await _json_body(request))
-            return _json(encode(await in_thread(method, body)))
+            return _json(encode(await self._in_thread(method, body)))
 
         return handle
 
-    for path, method_name in _WEIGHT_METHODS.items():
-        app.router.add_post(path, weight_handler(path, method_name))
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        body = decode(LoadLoRAAdapterFromTensorsRequest, await _json_body(request))
+        result = await self._in_thread(self._engine.load_lora_adapter_from_tensors, body)
+        return _json(encode(result), status=200 if result.success else 400)  # SGLang's status rule
 
-    async def pause_generation(request: web.Request) -> web.Response:
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = decode(UnloadLoRAAdapterRequest, await _json_body(request))
+        result = await self._in_thread(self._engine.unload_lora_adapter, body)
+        return _json(encode(result), status=200 if result.success else 400)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
         body = decode(PauseGenerationRequest, await _json_body(request))
-        return _json(encode(await in_thread(engine.pause_generation, body)))
+        return _json(encode(await self._in_thread(self._engine.pause_generation, body)))
 
-    async def continue_generation(request: web.Request) -> web.Response:
+    async def continue_generation(self, request: web.Request) -> web.Response:
         body = decode(ContinueGenerationRequest, await _json_body(request))
-        return _json(encode(await in_thread(engine.continue_generation, body)))
+        return _json(encode(await self._in_thread(self._engine.continue_generation, body)))
 
-    async def flush_cache(request: web.Request) -> web.Response:
+    async def flush_cache(self, request: web.Request) -> web.Response:
         query = dict(request.query)
         if "timeout" in query:
             try:
@@ -216,10 +262,12 @@ def create_app(
                 raise ValueError(f"flush_cache: timeout={query['timeout']!r} is not a number of seconds") from None
         # `timeout` bounds how long SGLang waits for its scheduler's answer; this engine answers at once.
         decode(FlushCacheRequest, query)
-        result = engine.flush_cache()
+        result = self._engine.flush_cache()
         return web.Response(status=result.status_code, text=result.message)
 
-    async def generate(request: web.Request) -> web.Response:
+    # Generation and health.
+
+    async def generate(self, request: web.Request) -> web.Response:
         raw = await _json_body(request)
         if isinstance(raw, Mapping):
             # SGLang's body: keys it does not declare are dropped, its own fields this engine lacks must be at
@@ -229,29 +277,32 @@ def create_app(
                 raise ValueError(f"/generate: this engine does not implement {', '.join(unserved)}")
             raw = generate_request_fields(raw)
         body = decode(GenerateRequest, raw)
-        future = engine.submit_generate(body)
-        response = await asyncio.wait_for(asyncio.wrap_future(future), timeout=settings.generate_timeout_s)
+        future = self._engine.submit_generate(body)
+        response = await asyncio.wait_for(asyncio.wrap_future(future), timeout=self._settings.generate_timeout_s)
         return _json(_generate_body(response))
 
-    async def health_generate(request: web.Request) -> web.Response:
+    async def health_generate(self, request: web.Request) -> web.Response:
         del request
+        engine = self._engine
         if engine.failure is not None:
             return web.Response(status=503, text=f"unhealthy: {engine.failure}")
         if not engine.is_paused:
             # One real token, as SGLang's health check does: the scheduler loop must be alive.
             probe = GenerateRequest(input_ids=(0,), sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
-            await asyncio.wait_for(asyncio.wrap_future(engine.submit_generate(probe)), settings.health_timeout_s)
+            await asyncio.wait_for(asyncio.wrap_future(engine.submit_generate(probe)), self._settings.health_timeout_s)
         return web.Response(text="ok")
 
-    async def health(request: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.Response:
         del request
-        if engine.failure is not None:  # a TP rank died: the engine serves nothing until it is restarted
-            return web.Response(status=503, text=f"unhealthy: {engine.failure}")
+        if self._engine.failure is not None:  # a TP rank died: the engine serves nothing until it is restarted
+            return web.Response(status=503, text=f"unhealthy: {self._engine.failure}")
         return web.Response(text="ok")
 
-    async def model_info(request: web.Request) -> web.Response:
+    # Reads: the engine's live state, in SGLang's shapes.
+
+    async def model_info(self, request: web.Request) -> web.Response:
         del request
-        info = encode(engine.model_info())
+        info = encode(self._engine.model_info())
         # SGLang's other keys, with the values a plain text-generation server answers.
         return _json(
             {
@@ -267,15 +318,13 @@ def create_app(
             }
         )
 
-    async def draft_report(request: web.Request) -> web.Response:
+    async def draft_report(self, request: web.Request) -> web.Response:
         del request
-        return _json(encode(engine.draft_report()))
+        return _json(encode(self._engine.draft_report()))
 
-    # SGLang's top-level weight_version is the launch value; /model_info and generation carry the current one.
-    launch_weight_version = engine.weight_version
-
-    async def server_info(request: web.Request) -> web.Response:
+    async def server_info(self, request: web.Request) -> web.Response:
         del request
+        engine, settings = self._engine, self._settings
         state = engine.load_state()
         if settings.draft_kind == "none":  # SGLang reports the accept length only when it decodes speculatively
             del state["avg_spec_accept_length"]
@@ -297,7 +346,7 @@ def create_app(
                 # per TP rank, bytes of tensor data received since start (benchmarks measure with it)
                 "miles_sync_received_bytes": list(await asyncio.to_thread(engine.received_bytes)),
                 "version": f"miles_sync-reference-{__version__}",
-                "weight_version": launch_weight_version,
+                "weight_version": self._launch_weight_version,
                 "internal_states": [
                     {
                         **state,
@@ -307,38 +356,6 @@ def create_app(
                 ],
             }
         )
-
-    async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
-        body = decode(LoadLoRAAdapterFromTensorsRequest, await _json_body(request))
-        result = await in_thread(engine.load_lora_adapter_from_tensors, body)
-        return _json(encode(result), status=200 if result.success else 400)  # SGLang's status rule
-
-    async def unload_lora_adapter(request: web.Request) -> web.Response:
-        body = decode(UnloadLoRAAdapterRequest, await _json_body(request))
-        result = await in_thread(engine.unload_lora_adapter, body)
-        return _json(encode(result), status=200 if result.success else 400)
-
-    app.router.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
-    app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
-    app.router.add_post("/pause_generation", pause_generation)
-    app.router.add_post("/continue_generation", continue_generation)
-    app.router.add_post("/flush_cache", flush_cache)
-    app.router.add_get("/flush_cache", flush_cache)
-    app.router.add_post("/generate", generate)
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/health", health)
-    app.router.add_get("/model_info", model_info)
-    app.router.add_get("/get_model_info", model_info)
-    app.router.add_get("/get_server_info", server_info)
-    app.router.add_get("/server_info", server_info)  # SGLang 0.5.23's newer name; the router asks for it first
-    app.router.add_get("/get_draft_report", draft_report)
-
-    async def shutdown(app: web.Application) -> None:
-        del app
-        executor.shutdown(wait=False, cancel_futures=True)
-
-    app.on_cleanup.append(shutdown)
-    return app
 
 
 async def _json_body(request: web.Request) -> Any:
