@@ -45,9 +45,9 @@ from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import MTPHead, read_safetensors
 from miles_sync.env import read_environment
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import GroupSettings
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs
+from miles_sync.sync.update_group import GroupSettings
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest

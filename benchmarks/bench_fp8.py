@@ -29,8 +29,8 @@ from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.env import read_environment
-from miles_sync.sync.controller import GroupSettings
 from miles_sync.sync.sender import Sender
+from miles_sync.sync.update_group import GroupSettings
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.weights.fp8_checkpoint import fp8_checkpoint
 

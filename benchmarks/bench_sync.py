@@ -143,10 +143,10 @@ from miles_sync.engine.process import EngineLauncher
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors  # noqa: E402
 from miles_sync.env import adopt_bind_host
-from miles_sync.sync.controller import GroupSettings
 from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.sender import Sender
+from miles_sync.sync.update_group import GroupSettings
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightSource
 from miles_sync.transport.base import EngineTarget  # noqa: E402
 from miles_sync.transport.distributed import DistributedTransport  # noqa: E402
@@ -210,7 +210,7 @@ def gbps(num_bytes: int, seconds: float) -> float:
 
 
 def model_sender(tensors: dict[str, torch.Tensor], *, transport: str, bucket_bytes: int, verify: bool) -> Sender:
-    # hash_buckets follows verify, as actors.controller.controller_args sets it
+    # hash_buckets follows verify, as miles_sync.embedding.sender_settings sets it
     return tensor_sender(tensors, transport=transport, bucket_bytes=bucket_bytes, hash_buckets=verify)
 
 

@@ -19,12 +19,13 @@ from miles_sync.config import MilesSyncConfig, ModelConfig, SyncConfig, load_con
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.process import EngineLauncher
 from miles_sync.sync.attach import attach_model
-from miles_sync.sync.controller import ControllerStatus, GroupSettings, SyncController, SyncError
+from miles_sync.sync.controller import ControllerStatus, SyncController
 from miles_sync.sync.draft_canary import CanarySettings
 from miles_sync.sync.pipeline import PipelineSource
-from miles_sync.sync.report import EngineResult, SyncReport
+from miles_sync.sync.report import EngineResult, SyncError, SyncReport
 from miles_sync.sync.selector import weight_update_selector
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
+from miles_sync.sync.update_group import GroupSettings
 from miles_sync.sync.weight_source import WeightSource
 from miles_sync.wire.protocol import Selector
 

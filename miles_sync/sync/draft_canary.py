@@ -18,11 +18,13 @@ serving, with its weights untouched, until a later sync verifies on it and its c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.codec import WireEnum
-from miles_sync.wire.protocol import GenerateRequest, SamplingParams
+from miles_sync.wire.protocol import GenerateRequest, PauseMode, SamplingParams
 from miles_sync.wire.text import raise_if
 
 __all__ = ["CanaryMode", "CanarySettings"]
@@ -111,3 +113,67 @@ def next_baselines(baselines: dict[str, float], readings: Sequence[CanaryReading
         if reading.accept_length is not None and not reading.flagged:
             updated[reading.url] = reading.accept_length
     return updated
+
+
+async def measure_canary(
+    engines: Mapping[str, EngineAPI], settings: CanarySettings, *, baselines: Mapping[str, float], timeout_s: float
+) -> list[CanaryReading]:
+    """The canary's requests on every engine (URL -> engine), each engine's mean judged against `baselines`; an
+    engine whose requests failed gets a reading without an accept length whose message says why. Never raises."""
+    requests = canary_requests(settings)
+
+    async def measure(url: str, engine: EngineAPI) -> CanaryReading:
+        try:
+            answers = await asyncio.gather(*(engine.generate(r, timeout_s=timeout_s) for r in requests))
+        except Exception as exc:
+            why = f"{url}: draft canary request failed: {str(exc) or type(exc).__name__}"
+            return CanaryReading(url=url, accept_length=None, baseline=baselines.get(url), message=why)
+        return judge_reading(
+            url,
+            accept_length=mean_reading([a.meta_info.spec_accept_length for a in answers]),
+            baseline=baselines.get(url),
+            min_ratio=settings.min_ratio,
+        )
+
+    return list(await asyncio.gather(*(measure(u, e) for u, e in engines.items())))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanaryOutcome:
+    """The canary after one committed sync: its readings, every engine's baseline after them, the engines it holds
+    (hold mode: paused again, URL -> why) and its report warnings."""
+
+    readings: tuple[CanaryReading, ...]
+    baselines: dict[str, float]
+    held: dict[str, str]
+    warnings: tuple[str, ...]
+
+
+async def run_canary(
+    engines: Mapping[str, EngineAPI],
+    settings: CanarySettings,
+    *,
+    baselines: Mapping[str, float],
+    version: str,
+    pause_mode: PauseMode,
+    timeout_s: float,
+) -> CanaryOutcome:
+    """The canary on the engines a committed sync verified (module docstring). In hold mode a flagged engine is
+    paused again here, its weights untouched, and named in `held` (also when that pause failed: it is then still
+    unrouted, and stale until a later sync's canary passes). Never raises."""
+    readings = await measure_canary(engines, settings, baselines=baselines, timeout_s=timeout_s)
+    warnings = [r.message for r in readings if r.message]
+    held = {}
+    if settings.mode is CanaryMode.HOLD:
+        for reading in (r for r in readings if r.flagged):
+            try:
+                await engines[reading.url].pause_generation(pause_mode, timeout_s=timeout_s)
+            except Exception as exc:
+                warnings.append(f"{reading.url}: pausing it for the draft canary failed: {exc}")
+            held[reading.url] = f"sync v{version}: {reading.message}"
+    return CanaryOutcome(
+        readings=tuple(readings),
+        baselines=next_baselines(dict(baselines), readings),
+        held=held,
+        warnings=tuple(warnings),
+    )

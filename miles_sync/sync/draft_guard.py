@@ -11,10 +11,21 @@ parameter (`draft_changes`). Pure functions over checker answers.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from miles_sync.sync.verify import ranks_by_tp_rank
-from miles_sync.wire.protocol import RankChecksums, Role, Selector, checksum_role, role_kind, selector_roles
+from miles_sync.wire.api import EngineAPI
+from miles_sync.wire.protocol import (
+    RankChecksums,
+    Role,
+    Selector,
+    WeightsCheckerAction,
+    WeightsCheckerRequest,
+    checksum_role,
+    role_kind,
+    selector_roles,
+)
 from miles_sync.wire.text import shorten
 
 __all__: list[str] = []  # nothing here is imported from outside miles_sync.sync
@@ -65,3 +76,14 @@ def draft_changes(*, baseline: DraftDigests, current: DraftDigests | None, selec
 
 def summarize_changes(changes: Sequence[str]) -> str:
     return shorten(changes, limit=_NUM_CHANGES_SHOWN, sep="; ")
+
+
+async def read_draft_digests(engines: Sequence[EngineAPI], *, timeout_s: float) -> list[DraftDigests | None]:
+    """The draft digests each engine serves now (one checker call each, selector all), as guard baselines. None for
+    an engine without a draft, and for one whose checker cannot answer now: it is not guarded until a verified sync
+    records its draft, and its verification fails on the same checker first. Never raises."""
+    request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.ALL)
+    answers = await asyncio.gather(
+        *(e.weights_checker(request, timeout_s=timeout_s) for e in engines), return_exceptions=True
+    )
+    return [None if isinstance(a, BaseException) else draft_digests(a.ranks) for a in answers]

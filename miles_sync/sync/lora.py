@@ -29,13 +29,15 @@ The session runs in the frame every sync kind shares (miles_sync.sync.frame: fle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from miles_sync.sync.adapter import AdapterPayload
+from miles_sync.sync.fleet import Fleet
 from miles_sync.sync.frame import FleetSteps, PhaseClock, SessionRun, SessionTimeouts, run_in_frame, session_report
 from miles_sync.sync.report import SyncReport
 from miles_sync.sync.verify import weights_digest
-from miles_sync.sync.weight_source import SendResult
+from miles_sync.sync.weight_source import SendResult, WeightSource
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.protocol import (
     PauseMode,
@@ -107,6 +109,46 @@ async def run_lora_sync_session(
     return session_report(
         fleet, run, clock, version=version, previous_version=previous_version, transport=LORA_TRANSPORT, is_checked=True
     )
+
+
+async def sync_fleet_adapter(
+    fleet: Fleet,
+    *,
+    source: WeightSource,
+    name: str,
+    version: str,
+    previous_version: str,
+    pause_mode: PauseMode,
+    timeouts: SessionTimeouts,
+    verify: bool,
+) -> SyncReport:
+    """One LoRA sync of `fleet` from `source`'s `adapter_payload` (run_lora_sync_session); once it committed, every
+    engine's record names the adapter it now serves. The source's payload is released either way."""
+
+    async def payload() -> AdapterPayload:
+        return await source.adapter_payload(tp_sizes=sorted(set(fleet.tp_sizes.values())))
+
+    try:
+        report = await run_lora_sync_session(
+            engines=[r.client for r in fleet.records],
+            tp_sizes=fleet.tp_sizes,
+            payload=payload,
+            name=name,
+            version=version,
+            previous_version=previous_version,
+            pause_mode=pause_mode,
+            timeouts=timeouts,
+            previous={r.url: r.lora_served for r in fleet.records if r.lora_served is not None},
+            held=tuple(fleet.held),
+            verify=verify,
+        )
+    finally:
+        with contextlib.suppress(Exception):  # the payload's tensors are no longer needed
+            await asyncio.wait_for(source.release_adapter(), timeout=timeouts.control_s)
+    if report.committed:
+        for record in fleet.records:
+            record.lora_served = adapter_name(name, version)
+    return report
 
 
 class _LoraFlow:

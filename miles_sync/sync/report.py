@@ -7,15 +7,15 @@ encoded with miles_sync.wire.codec (`encode_report` / `decode_report` round-trip
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from miles_sync.sync.draft_canary import CanaryReading
 from miles_sync.wire.codec import decode, encode
 from miles_sync.wire.protocol import Selector
 
-__all__ = ["BucketProgress", "EngineResult", "InIndexOrder", "ProgressBar", "SyncReport"]
+__all__ = ["BucketProgress", "EngineResult", "InIndexOrder", "ProgressBar", "SyncError", "SyncReport"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,3 +215,46 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class SyncError(RuntimeError):
+    """A sync failed; `report` says where, on which engines, and which engines are now stale."""
+
+    def __init__(self, report: SyncReport) -> None:
+        self.report = report
+        super().__init__(report.summary())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SyncError, (self.report,))
+
+
+class _HeldEngine(Protocol):
+    url: str
+    held: str
+
+
+def failed_report(
+    *,
+    version: str,
+    previous_version: str,
+    transport: str,
+    engines: Sequence[_HeldEngine],
+    error: str,
+    total_s: float,
+) -> SyncReport:
+    """The report of a sync that failed before its session started (nothing reached any engine): every engine
+    failed with `error`, stale only where it was already held."""
+    return SyncReport(
+        version=version,
+        previous_version=previous_version,
+        committed=False,
+        selector=None,
+        transport=transport,
+        num_bytes=0,
+        num_buckets=0,
+        num_tensors=0,
+        phases=PhaseTimes(),
+        total_s=total_s,
+        engines=tuple(EngineResult(url=e.url, success=False, is_stale=bool(e.held), message=error) for e in engines),
+        error=error,
+    )

@@ -21,10 +21,11 @@ leaves the engine paused (it serves nothing), a failed admit leaves a serving en
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from miles_sync.sync.fleet import Fleet
 from miles_sync.wire.codec import WireEnum
 
 __all__ = ["TrafficGate"]
@@ -79,3 +80,69 @@ async def apply_gate(gate: TrafficGate, url: str, *, action: RouteAction, timeou
         verb = "admitting" if action is RouteAction.ADMITTED else "withdrawing"
         return f"router: {verb} {url} failed: {str(exc) or type(exc).__name__ + f' within {timeout_s} s'}"
     return None
+
+
+class RouteKeeper:
+    """Keeps a router's worker list equal to the fleet's serving engines (module docstring) and records every change
+    that took (`changes`, oldest first). Withdraws before it admits. Without a gate every call does nothing."""
+
+    def __init__(self, gate: TrafficGate | None, *, timeout_s: float) -> None:
+        self._gate = gate
+        self._timeout_s = timeout_s
+        self.changes: list[RouteChange] = []
+
+    async def reconcile(self, fleet: Fleet, *, version: str, reason: str, whole_fleet: bool = False) -> list[str]:
+        """Bring the router to the fleet's serving engines; `version`: the committed one. `whole_fleet`: assume
+        nothing about what the router lists (at connect: a router may list engines this controller never
+        admitted). Returns warnings; never raises."""
+        if self._gate is None:
+            return []
+        urls, serving = fleet.urls, fleet.serving
+        plan = plan_routing(fleet=urls, routed=fleet.routed, serving=serving)
+        withdraw, admit = plan.withdraw, plan.admit
+        if whole_fleet:  # the gate's calls are idempotent: withdraw every non-serving engine, admit every serving one
+            withdraw = plan_routing(fleet=urls, routed=urls, serving=serving).withdraw
+            admit = plan_routing(fleet=urls, routed=(), serving=serving).admit
+        held = fleet.held
+        reasons = {u: held.get(u, f"not serving the committed version ({reason})") for u in withdraw}
+        serves = f"v{version}" if version.isdecimal() else "the weights it loaded"
+        reasons |= {u: f"serving {serves} ({reason})" for u in admit}
+        return await self._apply(fleet, withdraw=withdraw, admit=admit, reasons=reasons, version=version)
+
+    async def withdraw_routed(self, fleet: Fleet, urls: Sequence[str], *, version: str, reason: str) -> list[str]:
+        """Withdraw those of `urls` the router lists (the session's hook before its resume). Never raises."""
+        routed = [u for u in urls if fleet[u].is_routed]
+        return await self._apply(
+            fleet, withdraw=routed, admit=(), reasons=dict.fromkeys(routed, reason), version=version
+        )
+
+    async def withdraw_or_raise(self, fleet: Fleet, url: str, *, version: str, reason: str) -> None:
+        """Withdraw `url` before it leaves the fleet; raises when the router still lists it (an engine must never
+        leave the controller's watch while routed)."""
+        warnings = await self._apply(fleet, withdraw=[url], admit=(), reasons={url: reason}, version=version)
+        if warnings:
+            raise RuntimeError("; ".join(warnings))
+
+    async def _apply(
+        self,
+        fleet: Fleet,
+        *,
+        withdraw: Sequence[str],
+        admit: Sequence[str],
+        reasons: Mapping[str, str],
+        version: str,
+    ) -> list[str]:
+        if self._gate is None:
+            return []
+        warnings = []
+        for urls, action in ((withdraw, RouteAction.WITHDRAWN), (admit, RouteAction.ADMITTED)):
+            results = await asyncio.gather(
+                *(apply_gate(self._gate, u, action=action, timeout_s=self._timeout_s) for u in urls)
+            )
+            for url, warning in zip(urls, results):
+                if warning is not None:
+                    warnings.append(warning)
+                    continue
+                fleet[url].is_routed = action is RouteAction.ADMITTED
+                self.changes.append(RouteChange(url=url, action=action, version=version, reason=reasons[url]))
+        return warnings

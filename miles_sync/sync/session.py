@@ -71,7 +71,7 @@ from miles_sync.sync.quantization import check_fleet_quantization
 from miles_sync.sync.report import BucketProgress, SyncReport
 from miles_sync.sync.selector import SelectorMode, resolve_selector
 from miles_sync.sync.verify import DRAFT_GUARD, Verdict, sent_verdicts, weights_digest
-from miles_sync.sync.weight_source import SendResult, WeightSource
+from miles_sync.sync.weight_source import SendResult, WeightSource, flush_mode_problem
 from miles_sync.transport.base import transport_spec
 from miles_sync.weights.fp8 import Fp8Block
 from miles_sync.wire.api import EngineAPI
@@ -241,17 +241,6 @@ async def _sync(
             await _verify_fleet(
                 fleet, sent=run.sent, selector=selector, layouts=layouts, draft_baselines=draft_baselines
             )
-
-
-def flush_mode_problem(source: WeightSource, *, pause_mode: PauseMode) -> str | None:
-    """Why `source` cannot serve `pause_mode`, or None: a source that flushes the prefix cache with every update
-    cannot serve in_place, whose running requests make SGLang refuse that flush (and fail the update). Pure."""
-    if source.flushes_cache and pause_mode is PauseMode.IN_PLACE:
-        return (
-            "pause_mode=in_place keeps requests running, and SGLang refuses the prefix-cache flush the source "
-            "sends with every update then (SenderSettings.flush_cache must be false for in_place)"
-        )
-    return None
 
 
 async def choose_selector(

@@ -14,7 +14,7 @@ from miles_sync.sync.adapter import AdapterPayload
 from miles_sync.sync.engine_digests import EngineDigestPlan, EngineLayout
 from miles_sync.sync.report import BucketProgress
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
-from miles_sync.wire.protocol import Selector
+from miles_sync.wire.protocol import PauseMode, Selector
 
 __all__ = ["SendResult", "StageResult", "WeightSource"]
 
@@ -150,3 +150,33 @@ class WeightSource(Protocol):
 
     async def release_adapter(self) -> None:
         return None
+
+
+def source_problems(source: WeightSource, *, staged: bool, lora_name: str | None, pause_mode: PauseMode) -> list[str]:
+    """What `source` cannot serve of a controller's configuration (empty: nothing). Raises TypeError for a source that
+    does not subclass WeightSource: the controller calls members a duck-typed source may lack, and it would fail
+    later, inside a sync, with an AttributeError. Pure."""
+    name = type(source).__name__
+    if WeightSource not in type(source).__mro__:
+        raise TypeError(
+            f"invalid SyncController: the source {name} does not subclass miles_sync.api.WeightSource (subclass it: "
+            "it declares every member the controller calls, with defaults for the optional ones)"
+        )
+    problems = []
+    if staged and not source.can_stage:
+        problems.append(f"staged export needs a source that can stage; {name} cannot")
+    if lora_name is not None and not source.syncs_adapters:
+        problems.append(f"LoRA syncs need a source that answers adapters; {name} does not")
+    flush_problem = flush_mode_problem(source, pause_mode=pause_mode)
+    return problems if flush_problem is None else [*problems, flush_problem]
+
+
+def flush_mode_problem(source: WeightSource, *, pause_mode: PauseMode) -> str | None:
+    """Why `source` cannot serve `pause_mode`, or None: a source that flushes the prefix cache with every update
+    cannot serve in_place, whose running requests make SGLang refuse that flush (and fail the update). Pure."""
+    if source.flushes_cache and pause_mode is PauseMode.IN_PLACE:
+        return (
+            "pause_mode=in_place keeps requests running, and SGLang refuses the prefix-cache flush the source "
+            "sends with every update then (SenderSettings.flush_cache must be false for in_place)"
+        )
+    return None

@@ -14,7 +14,8 @@ from sender_host import SenderSettings, exported_names, load_checkpoint, weights
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import SyncController, SyncError
+from miles_sync.sync.controller import SyncController
+from miles_sync.sync.report import SyncError
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.weights.checksum import tensor_checksum

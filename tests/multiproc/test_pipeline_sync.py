@@ -29,8 +29,8 @@ from test_sync_session import (
     generate,
 )
 
-from miles_sync.sync.controller import SyncError
 from miles_sync.sync.pipeline import PipelineSource, stage_group_name
+from miles_sync.sync.report import SyncError
 from miles_sync.wire.payload import segment_pid
 from miles_sync.wire.protocol import Selector
 

@@ -21,8 +21,9 @@ from sender_host import SenderSettings, export_units, exported_names, load_check
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import SyncController, SyncError
+from miles_sync.sync.controller import SyncController
 from miles_sync.sync.plan import plan_buckets
+from miles_sync.sync.report import SyncError
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.weights.checksum import DRAFT_PREFIX, tensor_checksum

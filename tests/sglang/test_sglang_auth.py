@@ -18,7 +18,8 @@ from sglang_server import enter_together, sglang_server
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import SyncController, SyncError
+from miles_sync.sync.controller import SyncController
+from miles_sync.sync.report import SyncError
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.wire.api import EngineError

@@ -26,8 +26,8 @@ from silent_member import silent_member
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.router import RouterClient, RouterProcess, RouterSpec
 from miles_sync.export.registry import ConversionMode
-from miles_sync.sync.controller import SyncController, SyncError
-from miles_sync.sync.report import SyncReport
+from miles_sync.sync.controller import SyncController
+from miles_sync.sync.report import SyncError, SyncReport
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.transport.base import TransportKind
