@@ -1,8 +1,8 @@
 """The routed transports driven end to end for the real-SGLang tier: two real megatron-core trainer ranks (TP=2, Ray
 actors on a loopback cluster) with a given feed plan sync into running servers through shard_direct's routed form
 and/or p2p (the servers then run the p2p loader as their custom weight loader), one controller per transport on the
-same trainer ranks, with the gather export made to fail if it is entered; each trained round must commit, pass its
-check with every sent tensor counted, and the servers must then generate with that version."""
+same trainer ranks, with the gather export made to fail if it is entered (tests/rank_probes.py); each trained round
+must commit, pass its check with every sent tensor counted, and the servers must then generate with that version."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import ray
+from rank_probes import refuse_gather
 
 from actors.controller import create_controller
 from actors.trainer import create_trainers
@@ -19,7 +20,6 @@ from miles_sync.config import ClusterConfig, ModelConfig, SyncConfig, TrainerCon
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.rollout import generate_samples
 from miles_sync.job.rl import make_prompts, train_batch
-from miles_sync.sync.attach import attached_source
 from miles_sync.sync.report import SyncReport
 from miles_sync.transport.base import TransportKind
 from miles_sync.transport.feeds import FeedPlan
@@ -54,17 +54,11 @@ def routed_rounds(
     """Per transport in turn, `num_rounds` train -> routed sync -> generate rounds into the servers at `urls`; every
     round's report, in order."""
 
-    def refuse(index: int) -> None:  # nested: Ray pickles it by value into the trainer processes
-        raise AssertionError(f"unit {index} went through the gather export: a routed sync gathers nothing")
-
     reports = []
     with connect_ray(ClusterConfig(num_cpus=3)):
         trainers = create_trainers(trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=str(checkpoint), feeds=feeds)
         try:
-            listeners = [
-                a.__ray_call__.remote(lambda self: attached_source().add_unit_listener(refuse)) for a in trainers.actors
-            ]
-            ray.get(listeners, timeout=60)
+            refuse_gather(trainers.actors)
             rollouts = samples(urls, 0)
             for transport in transports:
                 sync = SyncConfig(transport=transport, **SYNC)

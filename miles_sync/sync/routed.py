@@ -21,7 +21,6 @@ from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.sender import SenderSettings
 from miles_sync.sync.weight_source import SendResult, WeightSource
 from miles_sync.transport.base import RankSetup, RoutedRankTransport, open_routed_rank
-from miles_sync.transport.colocated import PostedPayload
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.shard_routes import Holding, LocalPiece
@@ -45,7 +44,6 @@ class RoutedSender(WeightSource):
         metas: Callable[[], Sequence[TensorMeta]],
         names: Callable[[], Iterable[str]],
         feeds: FeedRole,
-        bucket_listeners: Callable[[], Sequence[Callable[[int], None]]] = tuple,
     ) -> None:
         if settings.quantization is not None:
             raise ValueError(
@@ -58,7 +56,6 @@ class RoutedSender(WeightSource):
         self._metas = metas
         self._names = names
         self._feeds = feeds
-        self._bucket_listeners = bucket_listeners
         self._rank: RoutedRankTransport | None = None
 
     @property
@@ -134,7 +131,6 @@ class RoutedSender(WeightSource):
             checksums=self._settings.hash_buckets,
             timeout_s=self._settings.bucket_timeout_s,
             on_bucket=progress,
-            on_rank_bucket=self._on_rank_bucket,
         )
         expected: dict[EngineLayout, tuple[dict[str, str], ...]] = {
             layout: outcome.digests[(layout.direct_layout, layout.tensor_hash)]
@@ -152,13 +148,6 @@ class RoutedSender(WeightSource):
             engine_checksums=expected,
             names=outcome.names,
         )
-
-    def _on_rank_bucket(self, index: int) -> None:
-        for listener in tuple(self._bucket_listeners()):
-            listener(index)
-
-    def posted_payloads(self) -> tuple[PostedPayload, ...]:
-        return () if self._rank is None else self._rank.posted_payloads()
 
     async def close(self) -> None:
         rank, self._rank = self._rank, None

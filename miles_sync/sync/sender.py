@@ -39,7 +39,6 @@ from miles_sync.sync.packing import PackedBucket, PackStream, StagedStream, buck
 from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests, WeightSource
 from miles_sync.transport.base import TRANSPORTS, RankSetup, RankTransport, open_rank_transport, transport_spec
-from miles_sync.transport.colocated import PostedPayload
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.fp8 import Fp8Block
@@ -183,10 +182,6 @@ class Sender(WeightSource):
             raise
         self._rank = rank
         return bound
-
-    def posted_payloads(self) -> tuple[PostedPayload, ...]:
-        """What this rank posted to engines during the last finished colocated send (empty otherwise)."""
-        return () if self._rank is None else self._rank.posted_payloads()
 
     def _send_buffers(self) -> DoubleBuffer:
         """The pack buffers of a send. On the CPU they are kept from one send to the next: fresh ones cost a page

@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 from miles_sync.env import LOOPBACK_HOST, bind_host
 from miles_sync.export.registry import ConversionMode, build_exporter
-from miles_sync.export.units import ExportedUnit
 from miles_sync.sync.adapter import AdapterPayload, encode_adapter
 from miles_sync.sync.engine_digests import EngineDigestPlan
 from miles_sync.sync.report import BucketProgress
@@ -31,7 +30,7 @@ from miles_sync.sync.routed import RoutedSender
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests
 from miles_sync.transport.base import transport_spec
-from miles_sync.transport.colocated import PostedPayload, find_source_rank
+from miles_sync.transport.colocated import find_source_rank
 from miles_sync.transport.feeds import FeedPlan, FeedRole, plan_spread_feeds
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.shard_routes import LocalPiece
@@ -161,11 +160,6 @@ class ModelSource:
         self._loop = _LoopThread(name=f"miles-sync-source-{rank}")
         self._sender: Sender | RoutedSender | None = None
         self._call_timeout_s = collective_timeout_s
-        self._unit_listeners: list[Callable[[int], None]] = []
-        self._bucket_listeners: list[Callable[[int], None]] = []
-        # The current (or last) send's acknowledged buckets, appended on the loop thread as they happen: `progress`
-        # reads them from another thread while the send runs (list appends and slices are atomic in CPython).
-        self._progress: list[BucketProgress] = []
 
     def routes_own_shards(self, transport: str) -> bool:
         """Whether a sync over `transport` runs routed (every rank sends its own shards, no gather): the transport
@@ -184,21 +178,6 @@ class ModelSource:
     def exported_names(self) -> tuple[str, ...]:
         """The HF names one send covers on this stage (metadata only; no collective)."""
         return self._names
-
-    def add_unit_listener(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(i)` on the export thread as the i-th unit of a send leaves the export (progress, or fault
-        drills that act at a precise point of a sync). A listener that raises fails that send."""
-        self._unit_listeners.append(listener)
-
-    def clear_unit_listeners(self) -> None:
-        self._unit_listeners.clear()
-        self._bucket_listeners.clear()
-
-    def add_bucket_listener(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(i)` on this rank as it takes part in the i-th bucket of a routed send (every rank sends its
-        own shards: miles_sync.sync.routed; p2p: as its transfers to the engines start), for fault drills that act at
-        a precise point of a sync. A listener that raises fails that bucket."""
-        self._bucket_listeners.append(listener)
 
     def open(
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None, settings: SenderSettings
@@ -233,12 +212,11 @@ class ModelSource:
                 metas=lambda: self._metas,
                 names=self.exported_names,
                 feeds=role,
-                bucket_listeners=lambda: self._bucket_listeners,
             )
         else:
             sender = Sender(
                 settings=settings,
-                export=self._export,
+                export=self._export_units,
                 names=self.exported_names,
                 is_source=self._is_source,
                 feeds=role,
@@ -278,7 +256,7 @@ class ModelSource:
         sender = self._sender
         if sender is None:
             raise RuntimeError(f"rank {self._info.rank}: send before open()")
-        self._progress = progress = []
+        progress: list[BucketProgress] = []
         result = self._loop.run(
             sender.send(
                 selector=selector,
@@ -289,11 +267,6 @@ class ModelSource:
             what=f"rank {self._info.rank} sending weights",
         )
         return RankSendResult(rank=self._info.rank, result=result, progress=tuple(progress))
-
-    def posted_payloads(self) -> tuple[PostedPayload, ...]:
-        """What this rank posted to engines in the last colocated send: each engine rank's feeder and the pid that
-        created the shared segment its handle names (empty on ranks that post nothing)."""
-        return () if self._sender is None else self._sender.posted_payloads()
 
     def stage(self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None) -> StageResult:
         """Export and pack the current weights ahead of the next send (every rank at once, as for `send`); with a
@@ -320,18 +293,13 @@ class ModelSource:
         sender = self._sender
         if sender is None or not sender.can_predict:  # a routed sender hashes only what it sends
             sender = Sender(
-                settings=settings, export=self._export, names=self.exported_names, is_source=self._is_source
+                settings=settings, export=self._export_units, names=self.exported_names, is_source=self._is_source
             )
         return self._loop.run(
             sender.predict(selector=selector, engine_digests=engine_digests),
             timeout_s=settings.call_timeout_s,
             what=f"rank {self._info.rank} hashing its weights",
         )
-
-    def progress(self, *, start: int = 0) -> tuple[BucketProgress, ...]:
-        """The buckets the current (or last) send had acknowledged, from the `start`-th on; safe to call while a
-        send runs on another thread (the actor needs max_concurrency > 1 for that)."""
-        return tuple(self._progress[start:])
 
     def close(self, *, timeout_s: float = 60.0) -> None:
         """Tear the transport down (idempotent)."""
@@ -384,20 +352,6 @@ class ModelSource:
         converter = create_converter(self._hf_config.model_type, self._hf_config)
         for _, pieces in iter_local_pieces(self._model, converter=converter):
             yield from pieces
-
-    def _export(self) -> Iterator[ExportedUnit]:
-        units = self._export_units()
-        for index, unit in enumerate(units):
-            try:
-                for listener in tuple(self._unit_listeners):
-                    listener(index)
-            except Exception:
-                # The other ranks are inside the same export's collectives: finish them before failing, or every
-                # peer would block until its collective timeout and the next sync with it.
-                for _ in units:
-                    pass
-                raise
-            yield unit
 
 
 def _record(

@@ -105,8 +105,7 @@ class RankTransport(Protocol):
     """One trainer rank's side of a transport, built at open (`open_rank_transport`) and driven by every trainer
     rank through the same calls: the source delivers each bucket (`send_bucket`) and ends each send (`end_send`,
     also after a failure); every other rank takes part in the send (`follow`, which returns once the source ended
-    it; at once where the transport needs only the source). `posted_payloads`: what this rank posted in the last
-    finished send, for transports that keep that record (empty otherwise)."""
+    it; at once where the transport needs only the source)."""
 
     async def open(self, *, membership: GroupMembership | None, timeout_s: float) -> GroupMembership | None: ...
 
@@ -115,8 +114,6 @@ class RankTransport(Protocol):
     async def end_send(self, *, error: str | None) -> None: ...
 
     async def follow(self, *, timeout_s: float) -> None: ...
-
-    def posted_payloads(self) -> tuple[Any, ...]: ...
 
     async def close(self, *, timeout_s: float) -> None: ...
 
@@ -234,9 +231,6 @@ class SourceRank(RankTransport):
     async def follow(self, *, timeout_s: float) -> None:
         return None
 
-    def posted_payloads(self) -> tuple[()]:
-        return ()
-
     async def close(self, *, timeout_s: float) -> None:
         try:
             if self._transport is not None:
@@ -279,8 +273,7 @@ class RoutedRankTransport(Protocol):
     checksums are (`checksums`: hashed where a TP=1 engine's parameters are built whole); the source returns
     the outcome and raises naming what failed, other ranks return an empty outcome and raise only when the group
     fails. `on_bucket(index, num_tensors, num_bytes)` runs on the source after each acknowledged bucket (HF tensors
-    it completed, bytes built); `on_rank_bucket(index)` on every rank as it takes part in bucket `index` (after its
-    builds; p2p: as its transfers start), for progress or fault drills (an exception it raises fails the bucket)."""
+    it completed, bytes built)."""
 
     async def send(
         self,
@@ -291,10 +284,7 @@ class RoutedRankTransport(Protocol):
         checksums: bool,
         timeout_s: float,
         on_bucket: Callable[[int, int, int], None] | None = None,
-        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> RoutedOutcome: ...
-
-    def posted_payloads(self) -> tuple[Any, ...]: ...
 
     async def close(self, *, timeout_s: float) -> None: ...
 

@@ -29,7 +29,7 @@ import itertools
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
@@ -41,10 +41,10 @@ from miles_sync.transport.group import gloo_device
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.wire.api import EngineAPI
 from miles_sync.wire.bucket import BucketEntry, FlattenedBucket
-from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket, segment_pid
+from miles_sync.wire.payload import FlattenedTensorMetadata, encode_flattened_bucket
 from miles_sync.wire.protocol import LoadFormat, Selector, UpdateWeightsFromTensorRequest
 
-__all__ = ["PostedPayload", "find_source_rank"]
+__all__ = ["find_source_rank"]
 
 T = TypeVar("T")
 
@@ -116,18 +116,6 @@ class RankOutcomes:
 
     rank: int
     failures: tuple[str, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PostedPayload:
-    """What a posting rank sent to one engine rank: whose memory the handle names. `segment_pid` is the pid in
-    the CPU shared-memory segment's name (the process that created it); None for CUDA IPC handles."""
-
-    engine: int
-    url: str
-    tp_rank: int
-    feeder: int
-    segment_pid: int | None
 
 
 # ---- the group: gloo, or nothing when the source is the only member ----------------------------------------------
@@ -402,12 +390,6 @@ class FlattenedDelivery:
         return None
 
 
-@dataclass
-class _SendState:
-    num_buckets: int = 0
-    posted: list[PostedPayload] = field(default_factory=list)
-
-
 class FanOut:
     """One trainer rank's side of a fan-out (module docstring) with a `delivery` deciding how each bucket's bytes
     travel. The source calls `lead` per bucket and `end` once per send; every other member calls `follow` once per
@@ -435,8 +417,7 @@ class FanOut:
         self._flush_cache = flush_cache  # each request flushes the engine's prefix cache (RankSetup.flush_cache)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sync-fan-out")
         self._pending: asyncio.Future | None = None
-        self._state = _SendState()
-        self._last_posted: tuple[PostedPayload, ...] = ()
+        self._num_buckets = 0  # buckets of the current send so far
 
     @property
     def role(self) -> FeedRole:
@@ -445,10 +426,6 @@ class FanOut:
     @property
     def is_source(self) -> bool:
         return self._role.rank == self._role.source_rank
-
-    def posted(self) -> tuple[PostedPayload, ...]:
-        """What this rank posted during the last finished send, in order."""
-        return self._last_posted
 
     async def lead(self, bucket: FlattenedBucket, *, selector: Selector, timeout_s: float) -> None:
         """Source: deliver one bucket through the group. Raises TransportError naming every failure (the whole
@@ -465,7 +442,7 @@ class FanOut:
     ) -> None:
         """Source: deliver one bucket the delivery describes by `contents` (with the source's `local` data, where
         its delivery prepared any), as `lead` does after `prepare`; `what` names it in errors."""
-        announcement = BucketAnnouncement(index=self._state.num_buckets, selector=selector, contents=contents)
+        announcement = BucketAnnouncement(index=self._num_buckets, selector=selector, contents=contents)
         self._pending = asyncio.ensure_future(self._exchange(announcement, local, is_lead=True, timeout_s=timeout_s))
         failures = await asyncio.shield(self._pending)
         if failures:
@@ -485,7 +462,7 @@ class FanOut:
                 await pending
         problem = self._delivery.end_send() if error is None else None
         self._delivery.reset()
-        self._finish_send()
+        self._num_buckets = 0
         await self._run(self._collectives.broadcast_object, SendEnd(error=error or problem))
         if problem is not None:
             raise TransportError(problem)
@@ -493,11 +470,11 @@ class FanOut:
     async def follow(self, *, timeout_s: float) -> None:
         """Every other member: take part in each bucket until the source ends the send. Failures of a bucket are
         the source's to report (it raises them); this raises only when the group itself fails."""
-        self._state = _SendState()  # what a send that broke off left behind is not this send's
+        self._num_buckets = 0  # what a send that broke off left behind is not this send's
         while True:
             message = await self._run(self._collectives.broadcast_object, None)
             if isinstance(message, SendEnd):
-                self._finish_send()
+                self._num_buckets = 0
                 return
             if not isinstance(message, BucketAnnouncement):
                 raise TransportError(f"rank {self._role.rank}: unexpected fan-out message {type(message).__name__}")
@@ -510,9 +487,6 @@ class FanOut:
             self._delivery.close()
             self._thread.shutdown(wait=False)
 
-    def _finish_send(self) -> None:
-        self._last_posted, self._state = tuple(self._state.posted), _SendState()
-
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
@@ -520,7 +494,7 @@ class FanOut:
         self, announcement: BucketAnnouncement, local: Any | None, *, is_lead: bool, timeout_s: float
     ) -> list[str]:
         """One bucket on every member: announcement (the source's, `is_lead`), bytes, handles, posts, outcomes."""
-        self._state.num_buckets += 1
+        self._num_buckets += 1
         if is_lead:
             await self._run(self._collectives.broadcast_object, announcement)
         local = await self._run(self._delivery.receive, announcement.contents, local, self._collectives)
@@ -573,17 +547,6 @@ class FanOut:
                     flush_cache=self._flush_cache,
                     selector=announcement.selector,
                 )
-            )
-            target = self._engines[j]
-            self._state.posted.extend(
-                PostedPayload(
-                    engine=j,
-                    url=target.client.url,
-                    tp_rank=p.tp_rank,
-                    feeder=p.feeder,
-                    segment_pid=segment_pid(p.payload),
-                )
-                for p in payloads
             )
         # The client times each call out itself (EngineError), so gather cannot wait forever.
         results = await asyncio.gather(
@@ -642,9 +605,6 @@ class ColocatedRank(RankTransport):
     async def follow(self, *, timeout_s: float) -> None:
         if self._fan_out is not None:
             await self._fan_out.follow(timeout_s=timeout_s)
-
-    def posted_payloads(self) -> tuple[PostedPayload, ...]:
-        return () if self._fan_out is None else self._fan_out.posted()
 
     async def close(self, *, timeout_s: float) -> None:
         try:

@@ -41,7 +41,7 @@ import torch
 
 from miles_sync.env import bind_host
 from miles_sync.transport.base import RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
-from miles_sync.transport.colocated import Collectives, PostedPayload, open_posting_fan_out
+from miles_sync.transport.colocated import Collectives, open_posting_fan_out
 from miles_sync.transport.feeds import FeedPlan, FeedRole
 from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
 from miles_sync.transport.membership import EngineEndpoint
@@ -191,7 +191,6 @@ class P2PDelivery:
         fed = {j for j, _ in role.plan.feeds_of(role.rank)}
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, len(fed))), thread_name_prefix="miles-sync-p2p")
         self._pending: list[Future] = []
-        self._on_rank_bucket: Callable[[int], None] | None = None
 
     @property
     def schedule(self) -> RoutedSchedule:
@@ -211,12 +210,9 @@ class P2PDelivery:
         *,
         hashes: Sequence[TensorHash],
         checksums: bool,
-        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> None:
-        """As RoutedDelivery.load; `on_rank_bucket` runs on the channel thread as this rank's transfers of a bucket
-        start (its tickets are out: an engine rank may be waiting for them)."""
+        """As RoutedDelivery.load."""
         self._routed.load(pieces, hashes=hashes, checksums=checksums)
-        self._on_rank_bucket = on_rank_bucket
 
     def digests(self) -> tuple:
         return self._routed.digests()
@@ -279,8 +275,7 @@ class P2PDelivery:
                 build, names[j][tp_rank]
             )
         self._pending = [
-            self._pool.submit(self._send, channels, j, per_rank, names[j], digests[j], contents.index)
-            for j, per_rank in sends.items()
+            self._pool.submit(self._send, channels, j, per_rank, names[j], digests[j]) for j, per_rank in sends.items()
         ]
         return payloads
 
@@ -338,10 +333,7 @@ class P2PDelivery:
         per_rank: dict[int, list[torch.Tensor]],
         names: dict[int, tuple],
         digests: Mapping[int, bytes | None],
-        bucket: int,
     ) -> _Sent:
-        if self._on_rank_bucket is not None:
-            self._on_rank_bucket(bucket)
         try:
             group = channels.group(engine)
             statuses = send_params(group, per_rank, timeout_s=self._timeout_s, digests=digests)
@@ -377,7 +369,6 @@ class P2PRank(RoutedRankTransport):
         checksums: bool,
         timeout_s: float,
         on_bucket: Callable[[int, int, int], None] | None = None,
-        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> RoutedOutcome:
         try:
             return await self._routed.send(
@@ -387,7 +378,6 @@ class P2PRank(RoutedRankTransport):
                 checksums=checksums,
                 timeout_s=timeout_s,
                 on_bucket=on_bucket,
-                on_rank_bucket=on_rank_bucket,
             )
         finally:
             await self._agree_on_channels()
@@ -402,9 +392,6 @@ class P2PRank(RoutedRankTransport):
             broken = [True]  # the group itself failed: nothing here can be trusted
         if any(broken):
             channels.drop()
-
-    def posted_payloads(self) -> tuple[PostedPayload, ...]:
-        return self._routed.posted_payloads()
 
     async def close(self, *, timeout_s: float) -> None:
         await self._routed.close(timeout_s=timeout_s)

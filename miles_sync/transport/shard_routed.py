@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_sync.transport.base import RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
-from miles_sync.transport.colocated import Collectives, FanOut, PostedPayload, ReceiveBuffer, open_posting_fan_out
+from miles_sync.transport.colocated import Collectives, FanOut, ReceiveBuffer, open_posting_fan_out
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.weights.checksum import (
@@ -128,7 +128,6 @@ class RoutedDelivery:
         self._digests: dict[Build, dict[TensorHash, dict[str, str]]] = {}
         self._checksums: dict[Build, dict[str, str]] = {}
         self._sha256: dict[tuple[Build, str], bytes] = {}  # full SHA-256 of each parameter built (SHA-256 engines)
-        self._on_rank_bucket: Callable[[int], None] | None = None
 
     @property
     def layout_of(self) -> tuple[int, ...]:
@@ -160,12 +159,9 @@ class RoutedDelivery:
         *,
         hashes: Sequence[TensorHash],
         checksums: bool,
-        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> None:
         """This rank's own slices for the next send (views stay valid until it ends), the hash kinds its builds'
-        digests are wanted in, whether its TP=1 builds' HF checksums are, and what to call as it takes part in
-        each bucket (after its builds)."""
-        self._on_rank_bucket = on_rank_bucket
+        digests are wanted in and whether its TP=1 builds' HF checksums are."""
         self._pieces = defaultdict(list)
         for piece in pieces:
             self._pieces[piece.hf_name].append(piece)
@@ -255,11 +251,6 @@ class RoutedDelivery:
             }
         except Exception as exc:
             return _Failed(message=f"rank {me} could not build its engine ranks' parameters: {exc}")
-        try:
-            if self._on_rank_bucket is not None:
-                self._on_rank_bucket(contents.index)
-        except Exception as exc:
-            return _Failed(message=f"rank {me}: its bucket listener raised {type(exc).__name__}: {exc}")
         return built
 
     def encode(
@@ -382,14 +373,13 @@ class ShardRoutedRank(RoutedRankTransport):
         checksums: bool,
         timeout_s: float,
         on_bucket: Callable[[int, int, int], None] | None = None,
-        on_rank_bucket: Callable[[int], None] | None = None,
     ) -> RoutedOutcome:
         """Send this rank's slices (every rank at once). The source returns the outcome with every layout's expected
         digests and raises TransportError naming what failed; other ranks return an empty outcome and raise only
         when the group itself fails. `on_bucket(index, num_tensors, num_bytes)` runs on the source after each
         acknowledged bucket."""
         schedule = self._delivery.schedule
-        self._delivery.load(pieces, hashes=hashes, checksums=checksums, on_rank_bucket=on_rank_bucket)
+        self._delivery.load(pieces, hashes=hashes, checksums=checksums)
         error: BaseException | None = None
         try:
             if self._fan_out.is_source:
@@ -432,9 +422,6 @@ class ShardRoutedRank(RoutedRankTransport):
             digests=self._delivery.expected(gathered),
             checksums=self._delivery.checksums(gathered),
         )
-
-    def posted_payloads(self) -> tuple[PostedPayload, ...]:
-        return self._fan_out.posted()
 
     async def close(self, *, timeout_s: float) -> None:
         try:

@@ -41,7 +41,6 @@ __all__ = [
     "decode_payload",
     "encode_flattened_bucket",
     "encode_named_tensor_dict",
-    "segment_pid",
 ]
 
 LOAD_FORMATS: tuple[str | None, ...] = (None, "direct", "flattened_bucket")
@@ -102,13 +101,6 @@ class FlattenedTensorMetadata:
             if not _is_int(value) or value < 0:
                 raise PayloadError(f"FlattenedTensorMetadata {name!r}: {field} must be an int >= 0, got {value!r}")
             object.__setattr__(self, field, value)
-
-
-def segment_pid(payload: str) -> int | None:
-    """The pid of the process that created the shared-memory segment a payload names (torch names segments after
-    their creator), or None when it names none (e.g. a CUDA IPC handle). Reads the bytes; unpickles nothing."""
-    found = _SHM_HANDLE.search(base64.b64decode(payload))
-    return None if found is None else int(found.group(1))
 
 
 def encode_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:

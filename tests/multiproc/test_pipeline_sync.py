@@ -15,7 +15,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from recording_proxy import recording_proxy
+from recording_proxy import recording_proxy, segment_pid
 from reference_server import reference_server
 from sender_host import ProcessSource, SenderSettings, exported_names, load_checkpoint
 from test_sync_session import (
@@ -31,7 +31,6 @@ from test_sync_session import (
 
 from miles_sync.sync.pipeline import PipelineSource, stage_group_name
 from miles_sync.sync.report import SyncError
-from miles_sync.wire.payload import segment_pid
 from miles_sync.wire.protocol import Selector
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from recording_proxy import recording_proxy
+from recording_proxy import recording_proxy, segment_pid
 from reference_server import reference_server
 from sender_host import SenderSettings, export_units, exported_names, load_checkpoint, weights_at_step
 
@@ -27,7 +27,6 @@ from miles_sync.sync.report import SyncError
 from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.weights.checksum import DRAFT_PREFIX, tensor_checksum
-from miles_sync.wire.payload import segment_pid
 from miles_sync.wire.protocol import (
     GenerateRequest,
     PauseMode,

@@ -26,7 +26,6 @@ from miles_sync.engine.rollout import Sample
 from miles_sync.job import rl
 from miles_sync.job.placement import PlacementPlan, plan_colocated_feeds, plan_placement
 from miles_sync.job.rl import make_prompts, reward, train_batch  # noqa: F401 - reward, train_batch: for the tests
-from miles_sync.sync.attach import attached_source
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
 from miles_sync.wire.protocol import Selector, WeightsCheckerAction, WeightsCheckerRequest
@@ -84,17 +83,6 @@ def mean_accept_length(samples: Sequence[Sample]) -> float:
     return value
 
 
-def refuse_gather(actors) -> None:
-    """Make the gather export fail on every trainer rank (a unit listener that raises; cleared by the caller)."""
-
-    def refuse(index: int) -> None:  # nested: Ray pickles it by value into the trainer processes
-        raise AssertionError(f"unit {index} went through the gather export: a routed sync gathers nothing")
-
-    ray.get(
-        [a.__ray_call__.remote(lambda self: attached_source().add_unit_listener(refuse)) for a in actors], timeout=60
-    )
-
-
 def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:
     """The engine's checksum over its target runner's tensors (/weights_checker)."""
 
@@ -144,10 +132,8 @@ def started_fleet(
     trainer: TrainerConfig,
     engine_collective_timeout_s: float,
     name: str,
-    trainer_concurrency: int = 1,
 ) -> Iterator[Fleet]:
-    """Start the fleet on the running cluster; shut down trainers, engines and placement groups on exit.
-    `trainer_concurrency`: each trainer actor's max_concurrency (drills that query a rank mid-send need 2)."""
+    """Start the fleet on the running cluster; shut down trainers, engines and placement groups on exit."""
     plan = plan_placement(
         layout="colocated",
         num_trainers=2,
@@ -174,7 +160,6 @@ def started_fleet(
                 checkpoint_dir=checkpoint_dir,
                 placement=placed,
                 feeds=plan_colocated_feeds(plan),
-                max_concurrency=trainer_concurrency,
             )
             engines, trainers = engines_future.result(), trainers_future.result()
         stack.callback(engines.shutdown)

@@ -11,6 +11,9 @@ was, let no engine answer from partial weights (its checksum equals the committe
 its weights untouched and unrouted), and the next sync must commit with every engine verified (which resumes the
 held ones). The engine killed during a broadcast is covered in
 test_sync_fleet.py.
+
+Each mid-sync fault strikes at a request held in a recording proxy in front of an engine (tests/recording_proxy.py):
+the drill waits until the sync reached it, strikes, then lets the request go on or answers it itself.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -39,6 +41,7 @@ from ray_fleet import (
     target_checksum,
     train_batch,
 )
+from recording_proxy import recording_proxy
 from silent_member import silent_member
 
 from actors.controller import create_controller
@@ -46,7 +49,6 @@ from actors.trainer import create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.rollout import generate_samples
-from miles_sync.sync.attach import attached_source
 from miles_sync.sync.report import SyncProgress, SyncReport
 from miles_sync.transport.base import TransportKind
 from miles_sync.wire.api import EngineError
@@ -83,16 +85,16 @@ def fleet(reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
             trainer=TRAINER,
             engine_collective_timeout_s=ENGINE_COLLECTIVE_TIMEOUT_S,
             name="faults",
-            # kill_engine_after_send asks the source rank for its acknowledged buckets while its send runs
-            trainer_concurrency=2,
         ) as fleet,
     ):
         yield fleet
 
 
 @contextlib.contextmanager
-def controller_for(fleet: Fleet, *, extra_urls: Sequence[str] = ()) -> Iterator[Any]:
-    urls = [*current_urls(fleet.engines.actors), *extra_urls]
+def controller_for(fleet: Fleet, *, urls: Sequence[str] | None = None, extra_urls: Sequence[str] = ()) -> Iterator[Any]:
+    """A controller over the engines at `urls` (default: the fleet's own; a proxy's URL speaks for its engine) and
+    `extra_urls`."""
+    urls = [*(current_urls(fleet.engines.actors) if urls is None else urls), *extra_urls]
     handle = create_controller(trainers=fleet.trainers.actors, engine_urls=urls, sync=FAULT_SYNC, model=MODEL)
     try:
         yield handle
@@ -144,10 +146,14 @@ def wait_out_engine_rendezvous(sync_started: float) -> None:
     time.sleep(max(0.0, sync_started + ENGINE_COLLECTIVE_TIMEOUT_S + 1.0 - time.monotonic()))
 
 
-def timed_sync(controller) -> tuple[SyncReport, float]:
-    """One sync expected to fail: its report, and the seconds it took (asserted within the failed-sync bound)."""
+def timed_sync(controller, *, meanwhile: Callable[[], None] | None = None) -> tuple[SyncReport, float]:
+    """One sync expected to fail: its report, and the seconds it took (asserted within the failed-sync bound).
+    `meanwhile` runs once the sync started (a drill striking mid-sync)."""
     start = time.monotonic()
-    report = ray.get(controller.sync.remote(raise_on_failure=False), timeout=FAILED_SYNC_BOUND_S + 60.0)
+    ref = controller.sync.remote(raise_on_failure=False)
+    if meanwhile is not None:
+        meanwhile()
+    report = ray.get(ref, timeout=FAILED_SYNC_BOUND_S + 60.0)
     elapsed = time.monotonic() - start
     assert not report.committed and report.error, report.summary()
     assert elapsed < FAILED_SYNC_BOUND_S, f"the failed sync took {elapsed:.1f} s (bound {FAILED_SYNC_BOUND_S} s)"
@@ -198,13 +204,15 @@ def restart_engines(fleet: Fleet, controller, indices: Sequence[int], old_urls: 
     return new_urls
 
 
-def assert_full_sync(fleet: Fleet, controller, committed: Committed, *, round_index: int) -> SyncReport:
+def assert_full_sync(
+    fleet: Fleet, controller, committed: Committed, *, round_index: int, urls: Sequence[str] | None = None
+) -> SyncReport:
     """The next sync commits a newer version on every engine, each verified tensor by tensor, and every engine
-    then serves it."""
+    then serves it. `urls`: the engines' URLs as the controller has them (default: the fleet's own)."""
     report = call(controller, "sync")
     assert report.committed, report.summary()
     assert int(report.version) > int(committed.version)
-    urls = current_urls(fleet.engines.actors)
+    urls = tuple(current_urls(fleet.engines.actors) if urls is None else urls)
     assert [e.url for e in report.engines] == list(urls)
     for engine in report.engines:
         assert engine.success and not engine.is_stale, engine
@@ -216,81 +224,6 @@ def assert_full_sync(fleet: Fleet, controller, committed: Committed, *, round_in
     for url in urls:
         assert {s.weight_version for s in generated(url, round_index=round_index)} == {report.version}
     return report
-
-
-# ---- unit listeners: closures, so that Ray ships them by value (this module is not importable in an actor) -----
-
-
-def clear_listeners(actors: Sequence[Any]) -> None:
-    ray.get([a.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()) for a in actors], timeout=60)
-
-
-def record_units(path: str):
-    """Write the number of units a send exported so far to `path`."""
-
-    def arm(actor):
-        def record(index: int) -> None:
-            Path(path).write_text(str(index + 1))
-
-        attached_source().add_unit_listener(record)
-
-    return arm
-
-
-def kill_engine_after_send(*, last_index: int, num_buckets: int, wait_s: float):
-    """For a non-source rank: after its last unit, wait until the source rank has every bucket acknowledged by
-    every engine, then SIGKILL the victim engine. The controller's send phase waits for this rank too, so the
-    victim dies after the whole broadcast and before end_weight_update."""
-
-    def arm(actor, source, victim):
-        def num_acknowledged(actor) -> int:
-            return len(attached_source().progress())
-
-        def kill_after_send(index: int) -> None:
-            if index != last_index:
-                return
-            deadline = time.monotonic() + wait_s
-            while ray.get(source.__ray_call__.remote(num_acknowledged), timeout=wait_s) < num_buckets:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the source acknowledged fewer than {num_buckets} buckets in {wait_s} s")
-                time.sleep(0.05)
-            ray.get(victim.kill.remote(), timeout=60)
-
-        attached_source().add_unit_listener(kill_after_send)
-
-    return arm
-
-
-def hold_export_after_first_bucket(hold_s: float):
-    """For the source rank: once a bucket was acknowledged, hold the export (the driver kills the rank meanwhile)."""
-
-    def arm(actor):
-        source, held = attached_source(), []
-
-        def hold(index: int) -> None:
-            if not held and source.progress():
-                held.append(index)
-                time.sleep(hold_s)
-
-        source.add_unit_listener(hold)
-
-    return arm
-
-
-def stop_engine_after_first_bucket(pgid: int):
-    """For the source rank: once a bucket was acknowledged, SIGSTOP the victim engine's process group."""
-
-    def arm(actor):
-        source, fired = attached_source(), []
-
-        def stop(index: int) -> None:
-            if not fired and source.progress():
-                fired.append(index)
-                os.killpg(pgid, signal.SIGSTOP)
-
-        source.add_unit_listener(stop)
-
-    return arm
 
 
 # ---- the tests --------------------------------------------------------------------------------------------------
@@ -316,24 +249,23 @@ def test_engine_killed_before_the_sync(fleet):
         assert report.num_buckets == committed.num_buckets
 
 
-def test_engine_killed_after_the_broadcast_before_finalize(fleet, tmp_path):
+def test_engine_killed_after_the_broadcast_before_finalize(fleet):
     victim = fleet.engines.actors[0]
-    other = fleet.trainers.actors[1 - fleet.source_rank]
-    with controller_for(fleet) as controller:
-        victim_url, survivor_url = current_urls(fleet.engines.actors)
-        units_file = tmp_path / "units"
-        ray.get(other.__ray_call__.remote(record_units(str(units_file))), timeout=60)
-        try:
-            committed = commit_then_train(fleet, controller, round_index=4)
-        finally:
-            clear_listeners([other])
-        num_units = int(units_file.read_text())
-        arm = kill_engine_after_send(last_index=num_units - 1, num_buckets=committed.num_buckets, wait_s=30.0)
-        ray.get(other.__ray_call__.remote(arm, fleet.source, victim), timeout=60)
-        try:
-            failed, _ = timed_sync(controller)
-        finally:
-            clear_listeners([other])
+    engine_url, survivor_url = current_urls(fleet.engines.actors)
+    with recording_proxy(engine_url) as proxy, controller_for(fleet, urls=[proxy.url, survivor_url]) as controller:
+        victim_url = proxy.url
+        committed = commit_then_train(fleet, controller, round_index=4)
+        # The victim's end_weight_update, the first call after the send, waits in its proxy while the victim dies.
+        hold = proxy.hold("/end_weight_update")
+
+        def kill_before_end() -> None:
+            try:
+                hold.wait(FAULT_SYNC.sync_timeout_s)
+                ray.get(victim.kill.remote(), timeout=60)
+            finally:
+                hold.release()  # on to the dead server
+
+        failed, _ = timed_sync(controller, meanwhile=kill_before_end)
         assert not ray.get(victim.is_running.remote(), timeout=60)
         # Every bucket had reached every engine; the first step after the send failed, on the victim only.
         progress = call(controller, "status").progress
@@ -348,21 +280,28 @@ def test_engine_killed_after_the_broadcast_before_finalize(fleet, tmp_path):
 
 
 def test_source_rank_killed_mid_sync(fleet):
-    urls = list(current_urls(fleet.engines.actors))
     source_rank = fleet.source_rank
-    with controller_for(fleet) as controller:
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(recording_proxy(u)) for u in current_urls(fleet.engines.actors)]
+        urls = [p.url for p in proxies]
+        controller = stack.enter_context(controller_for(fleet, urls=urls))
         committed = commit_then_train(fleet, controller, round_index=7)
-        ray.get(fleet.source.__ray_call__.remote(hold_export_after_first_bucket(60.0)), timeout=60)
+        # Every engine's request for the second bucket waits in its proxy: the first bucket reached every engine
+        # (a bucket goes out once the one before it was acknowledged), and no engine is inside a broadcast when the
+        # source rank dies.
+        holds = [p.hold("/update_weights_from_distributed", nth=2) for p in proxies]
         start = time.monotonic()
         ref = controller.sync.remote(raise_on_failure=False)
         try:
+            for hold in holds:
+                hold.wait(FAULT_SYNC.sync_timeout_s)
             while not has_acknowledged_a_bucket(call(controller, "status").progress, after=committed):
                 assert not ray.wait([ref], timeout=0.05)[0], "the sync ended before its first bucket was acknowledged"
                 assert time.monotonic() - start < FAULT_SYNC.sync_timeout_s, "no bucket was acknowledged"
-        except BaseException:
-            clear_listeners([fleet.source])  # the rank lives on: later syncs must not be held
-            raise
-        ray.kill(fleet.source, no_restart=True)
+            ray.kill(fleet.source, no_restart=True)
+        finally:
+            for hold in holds:
+                hold.drop()  # their poster is gone: no engine joins that bucket's broadcast
         failed = ray.get(ref, timeout=FAILED_SYNC_BOUND_S + 60.0)
         elapsed = time.monotonic() - start
         assert elapsed < FAILED_SYNC_BOUND_S, f"the failed sync took {elapsed:.1f} s"
@@ -376,9 +315,7 @@ def test_source_rank_killed_mid_sync(fleet):
 
     # The controller keeps its trainer handles for life: recovery is a new trainer group and a new controller.
     fleet.trainers.shutdown(timeout_s=30.0)
-    fleet.trainers = create_trainers(
-        trainer=TRAINER, checkpoint_dir=fleet.checkpoint_dir, placement=fleet.placed, max_concurrency=2
-    )
+    fleet.trainers = create_trainers(trainer=TRAINER, checkpoint_dir=fleet.checkpoint_dir, placement=fleet.placed)
     with controller_for(fleet) as controller:
         assert_full_sync(fleet, controller, committed, round_index=9)
 
@@ -408,24 +345,34 @@ def has_acknowledged_a_bucket(progress: SyncProgress | None, *, after: Committed
 
 def test_engine_stopped_past_the_http_timeout(fleet):
     victim = fleet.engines.actors[0]
-    with controller_for(fleet) as controller:
-        urls = list(current_urls(fleet.engines.actors))
+    engine_url, other_url = current_urls(fleet.engines.actors)
+    with recording_proxy(engine_url) as proxy, controller_for(fleet, urls=[proxy.url, other_url]) as controller:
+        urls = [proxy.url, other_url]
         committed = commit_then_train(fleet, controller, round_index=10)
         pgid = ray.get(victim.pid.remote(), timeout=60)  # the server leads its own process group
-        ray.get(fleet.source.__ray_call__.remote(stop_engine_after_first_bucket(pgid)), timeout=60)
+        # Once the first bucket was acknowledged, the victim's request for the second waits in its proxy while the
+        # victim is SIGSTOPped, then goes on to the stopped server.
+        hold = proxy.hold("/update_weights_from_distributed", nth=2)
+
+        def stop_at_the_second_bucket() -> None:
+            try:
+                hold.wait(FAULT_SYNC.sync_timeout_s)
+                os.killpg(pgid, signal.SIGSTOP)
+            finally:
+                hold.release()
+
         try:
-            failed, _ = timed_sync(controller)
+            failed, _ = timed_sync(controller, meanwhile=stop_at_the_second_bucket)
         finally:
-            clear_listeners([fleet.source])
             os.killpg(pgid, signal.SIGCONT)
         assert urls[0] in failed.error and "no answer" in failed.error, failed.error
         assert_version_kept(controller, committed)
-        wait_until_answering(urls[0], timeout_s=60.0)
+        wait_until_answering(engine_url, timeout_s=60.0)
         # Both engines took the first bucket(s) of the new weights: each is held paused.
         assert assert_no_partial_weights(controller, urls, committed, round_index=11) == []
         assert call(controller, "status").serving_engines == ()
 
-        assert_full_sync(fleet, controller, committed, round_index=12)  # the same engine, no restart
+        assert_full_sync(fleet, controller, committed, round_index=12, urls=urls)  # the same engine, no restart
 
 
 def wait_until_answering(url: str, *, timeout_s: float) -> None:

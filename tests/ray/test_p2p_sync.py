@@ -4,13 +4,15 @@ p2p loader as their custom weight loader; no placement ties an engine rank to a 
 
 Every trainer rank converts its own shards and sends what it feeds point to point over each engine's channel
 (plan_spread_feeds: engine ranks round robin over the trainer ranks), with no gather (the gather export is made to
-fail if it runs at all); every sync of trained weights is verified engine-exact per rank, and the engines generate
-from the new weights with the version that produced them.
+fail if it runs at all: tests/rank_probes.py); every sync of trained weights is verified engine-exact per rank, and
+the engines generate from the new weights with the version that produced them. What each engine was posted is read
+by a recording proxy in front of it (tests/recording_proxy.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +23,9 @@ from contextlib import ExitStack
 
 import pytest
 import ray
-from ray_fleet import RAY_TIMEOUT_S, prompts, refuse_gather, train_batch
+from rank_probes import GATHERED_UNIT, P2P_TRANSFER, refuse_gather, unwrap_calls, wrap_calls
+from ray_fleet import RAY_TIMEOUT_S, prompts, train_batch
+from recording_proxy import p2p_ticket, recording_proxy
 
 from actors.controller import create_controller
 from actors.rollout import create_engines
@@ -29,7 +33,6 @@ from actors.trainer import create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
 from miles_sync.engine.client import EngineClient
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
-from miles_sync.sync.attach import attached_source
 from miles_sync.transport.base import TransportKind, transport_spec
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.protocol import ChecksumNames, SamplingParams, Selector, WeightsCheckerRequest
@@ -83,12 +86,31 @@ def is_paused(url: str) -> bool:
         return bool(json.load(answer)["internal_states"][0]["is_paused"])
 
 
+def posted_tickets(proxy, *, pids, tp_size: int) -> set[tuple]:
+    """Every p2p update request the proxy's engine got: (the trainer rank that posted it, then per engine TP rank the
+    channel rank its ticket's parameters come from and the number of trainer ranks feeding that engine's channel).
+    A channel's trainer members are the engine's distinct feeders in rank order, so with the poster (its TP rank 0's
+    feeder) these name the trainer rank that fed each engine rank."""
+    loader = transport_spec(TransportKind.P2P).custom_weight_loader
+    out = set()
+    for r in proxy.posts("/update_weights_from_tensor"):
+        assert r.body["load_format"] == loader, r.body["load_format"]
+        tickets = [p2p_ticket(p) for p in r.body["serialized_named_tensors"]]
+        assert len(tickets) == tp_size
+        per_rank = tuple((tuple(sorted({p.source for p in t.params})), t.channel.world_size - tp_size) for t in tickets)
+        out.add((pids.index(r.client_pid), per_rank))
+    return out
+
+
 def test_every_trainer_rank_sends_its_own_shards_point_to_point_verified_engine_exact(fleet):
     engines, trainers = fleet
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in trainers.actors], timeout=60)
     refuse_gather(trainers.actors)
+    stack = contextlib.ExitStack()
+    proxies = [stack.enter_context(recording_proxy(u, clients=pids)) for u in engines.urls]
     controller = create_controller(
         trainers=trainers.actors,
-        engine_urls=engines.urls,
+        engine_urls=[p.url for p in proxies],
         sync=SyncConfig(transport=TransportKind.P2P, **SYNC),
         model=MODEL,
     )
@@ -106,21 +128,16 @@ def test_every_trainer_rank_sends_its_own_shards_point_to_point_verified_engine_
             for engine in engines.actors:
                 samples = ray.get(engine.generate.remote(prompts(round_index), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
                 assert {s.weight_version for s in samples} == {report.version}
-        posted = ray.get(
-            [a.__ray_call__.remote(lambda self: attached_source().posted_payloads()) for a in trainers.actors],
-            timeout=60,
-        )
-        # Spread feeds: the TP=2 engine's ranks from trainer ranks 0 and 1, the TP=1 engine's from rank 0 again.
-        assert {(p.engine, p.tp_rank, p.feeder) for rank_posted in posted for p in rank_posted} == {
-            (0, 0, 0),
-            (0, 1, 1),
-            (1, 0, 0),
-        }
+        # Spread feeds: the TP=2 engine's ranks from trainer ranks 0 and 1 (channel ranks 0 and 1 of its two
+        # feeders), the TP=1 engine's from rank 0 again (its only feeder, and its poster); rank 0 posts both.
+        first, second = proxies
+        assert posted_tickets(first, pids=pids, tp_size=2) == {(0, (((0,), 2), ((1,), 2)))}
+        assert posted_tickets(second, pids=pids, tp_size=1) == {(0, (((0,), 1),))}
     finally:
-        for actor in trainers.actors:
-            ray.get(actor.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60)
+        unwrap_calls(trainers.actors, GATHERED_UNIT)
         ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
         ray.kill(controller)
+        stack.close()
 
 
 def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every_engine_rank(fleet):
@@ -147,12 +164,8 @@ def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every
             if index == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        ray.get(
-            trainers.actors[1].__ray_call__.remote(
-                lambda self: attached_source().add_bucket_listener(die_at_second_bucket)
-            ),
-            timeout=60,
-        )
+        # Rank 1 feeds one engine rank: its second channel transfer is the second bucket's.
+        wrap_calls([trainers.actors[1]], P2P_TRANSFER, die_at_second_bucket)
         start = time.monotonic()
         failed = ray.get(controller.sync.remote(raise_on_failure=False), timeout=RAY_TIMEOUT_S)
         elapsed = time.monotonic() - start
@@ -169,7 +182,6 @@ def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every
                 assert url not in status.serving_engines and is_paused(url), url
         assert status.held_engines, status  # the engines rank 1 fed took some of the new weights
     finally:
-        ray.get(
-            trainers.actors[0].__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60
-        )
+        with contextlib.suppress(ray.exceptions.RayActorError):  # rank 1 is dead, unless the drill failed first
+            unwrap_calls([trainers.actors[1]], P2P_TRANSFER)
         ray.kill(controller)

@@ -14,6 +14,9 @@ each fleet with 2 reference engines of its model (frozen MTP draft, AITER layout
   and those gathered from the other EP rank), verified on every transport (shard_direct: as stacked FusedMoE
   parameters; p2p: each EP rank builds its engine's stacked experts from its own and the other rank's, sent point
   to point through the engines' custom weight loader).
+
+What each engine was posted is read by a recording proxy in front of it (tests/recording_proxy.py); the gather
+export is refused, and a rank killed at a given unit of it, from inside the trainer processes (tests/rank_probes.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from ray_fleet import RAY_TIMEOUT_S, current_urls, refuse_gather, target_checksum
+from rank_probes import GATHERED_UNIT, refuse_gather, unwrap_calls, wrap_calls
+from ray_fleet import RAY_TIMEOUT_S, current_urls, target_checksum
+from recording_proxy import p2p_ticket, recording_proxy
 
 from actors.controller import create_controller
 from actors.rollout import EngineGroup, create_engines
@@ -110,11 +115,17 @@ def moe_fleet(cluster, reference_moe_checkpoint, tmp_path_factory) -> Iterator[P
 
 @contextlib.contextmanager
 def controller_for(
-    fleet: PipelineFleet, transport: TransportKind, *, model: ModelConfig = MODEL, staged: bool = False
+    fleet: PipelineFleet,
+    transport: TransportKind,
+    *,
+    model: ModelConfig = MODEL,
+    staged: bool = False,
+    urls: tuple[str, ...] | None = None,
 ) -> Iterator[object]:
+    """A controller over the fleet's engines at `urls` (default: theirs; a proxy's URL speaks for its engine)."""
     handle = create_controller(
         trainers=fleet.trainers.actors,
-        engine_urls=current_urls(fleet.engines.actors),
+        engine_urls=current_urls(fleet.engines.actors) if urls is None else urls,
         sync=SyncConfig(transport=transport, staged=staged, **SYNC),
         model=model,
     )
@@ -151,30 +162,34 @@ def test_each_stage_sends_its_own_layers_and_the_sync_verifies(fleet, transport)
     assert any(".embed_tokens." in n for n in names[0]) and any("lm_head" in n for n in names[1])
     if transport is TransportKind.P2P:
         refuse_gather(fleet.trainers.actors)
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
     try:
-        with controller_for(fleet, transport) as controller:
-            report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
-            status = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S)
-            posted = ray.get(
-                [
-                    a.__ray_call__.remote(lambda self: attached_source().posted_payloads())
-                    for a in fleet.trainers.actors
-                ],
-                timeout=60,
-            )
+        with contextlib.ExitStack() as stack:
+            proxies = [
+                stack.enter_context(recording_proxy(u, clients=pids)) for u in current_urls(fleet.engines.actors)
+            ]
+            with controller_for(fleet, transport, urls=tuple(p.url for p in proxies)) as controller:
+                report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+                status = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S)
     finally:
-        ray.get(
-            [
-                a.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners())
-                for a in fleet.trainers.actors
-            ],
-            timeout=60,
-        )
+        if transport is TransportKind.P2P:
+            unwrap_calls(fleet.trainers.actors, GATHERED_UNIT)
     if transport is TransportKind.P2P:
         # Every stage feeds both engines its own layers from its own ranks (spread feeds within the stage: ranks
-        # 0, 1 for stage 0 and 2, 3 for stage 1), each rank sending its own shards, nothing gathered.
-        fed = sorted({(p.engine, p.feeder) for rank_posted in posted for p in rank_posted})
-        assert fed == [(0, 0), (0, 2), (1, 1), (1, 3)], fed
+        # 0, 1 for stage 0 and 2, 3 for stage 1), each rank sending its own shards, nothing gathered: each ticket
+        # comes over its stage's channel (slot: the stage's source rank) from that channel's one feeder, the rank
+        # that posted it (the poster is the feeder of TP rank 0).
+        sources = fleet.stage_sources()
+        stage_of = {i: info.pp_rank for i, info in enumerate(fleet.trainers.ranks)}
+        fed = set()
+        for engine, proxy in enumerate(proxies):
+            for r in proxy.posts("/update_weights_from_tensor"):
+                (ticket,) = (p2p_ticket(h) for h in r.body["serialized_named_tensors"])
+                poster = pids.index(r.client_pid)
+                assert ticket.channel.world_size == 2 and {p.source for p in ticket.params} == {0}, ticket
+                assert ticket.channel.slot == sources[stage_of[poster]], (ticket.channel, poster)
+                fed.add((engine, poster))
+        assert sorted(fed) == [(0, 0), (0, 2), (1, 1), (1, 3)], fed
     assert_verified(report, num_tensors=len(names[0]) + len(names[1]))
     assert set(report.checksums) == set(names[0]) | set(names[1])
     assert [b.index for b in status.progress.buckets] == list(range(report.num_buckets))
@@ -199,20 +214,6 @@ def test_staged_export_packs_every_stage_before_the_pause_and_sends_the_same_byt
     assert staged.phases.stage_s > 0 and staged.checksums == plain.checksums  # no step between: the same bytes
 
 
-def kill_at_unit(unit_index: int):
-    """A unit listener for a stage's source rank: its process dies (SIGKILL) as unit `unit_index` leaves the export.
-    A closure, so Ray ships it by value."""
-
-    def arm(actor):
-        def die(index: int) -> None:
-            if index == unit_index:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        attached_source().add_unit_listener(die)
-
-    return arm
-
-
 def test_a_stage_source_dying_mid_sync_commits_nothing_and_a_restarted_group_syncs(fleet):
     urls = current_urls(fleet.engines.actors)
     with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
@@ -220,7 +221,12 @@ def test_a_stage_source_dying_mid_sync_commits_nothing_and_a_restarted_group_syn
         assert committed.committed, committed.summary()
         fleet.trainers.train_step(BATCH, timeout_s=RAY_TIMEOUT_S)
         victim = fleet.trainers.actors[fleet.stage_sources()[1]]
-        ray.get(victim.__ray_call__.remote(kill_at_unit(2)), timeout=60)
+
+        def die(index: int) -> None:  # nested: Ray pickles it by value
+            if index == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        wrap_calls([victim], GATHERED_UNIT, die)  # stage 1's source dies as unit 2 of its export is built
         failed = ray.get(controller.sync.remote(raise_on_failure=False), timeout=RAY_TIMEOUT_S)
         status = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S)
     assert not failed.committed and "stage 1" in failed.error, failed.summary()

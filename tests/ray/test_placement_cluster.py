@@ -6,7 +6,8 @@
   node's address (none every interface); the colocated transport on this layout is refused at connect, naming the
   engine and its node;
 - colocated: one bundle per worker (trainer rank j and engine j share it); a colocated sync commits verified and each
-  engine maps memory of the trainer rank on its own node;
+  engine maps memory of the trainer rank on its own node (read by a recording proxy on the engine's node in front of
+  it: tests/recording_proxy.py);
 - the main job submitted with `ray job submit` to this cluster completes, and its report records the nodes.
 """
 
@@ -23,6 +24,7 @@ import pytest
 import ray
 from multinode import HEAD_IP, WORKER_IPS, children_of, listeners, ray_ports, three_node_cluster
 from ray_fleet import RAY_TIMEOUT_S
+from recording_proxy import recording_proxy, segment_pid
 
 from actors.controller import create_controller
 from actors.placement import create_placement_groups
@@ -32,7 +34,6 @@ from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.env import node_of_url
 from miles_sync.job.placement import Resources, plan_colocated_feeds, plan_placement
-from miles_sync.sync.attach import attached_source
 from miles_sync.transport.base import TransportKind
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.draft import DraftKind
@@ -167,10 +168,16 @@ def test_colocated_sync_feeds_each_engine_from_its_own_node(cluster, reference_c
         assert [n.node_ip for n in engines.nodes] == trainer_nodes  # engine j shares trainer j's bundle
         trainer_pids = [pid_of(a) for a in trainers.actors]
         before = own_listeners(trainer_pids)
+        # Each engine's proxy listens on the engine's node: the colocated transport checks each engine's node by the
+        # address its URL names.
+        proxies = [
+            stack.enter_context(recording_proxy(url, host=node_of_url(url), clients=trainer_pids))
+            for url in engines.urls
+        ]
 
         controller = create_controller(
             trainers=trainers.actors,
-            engine_urls=engines.urls,
+            engine_urls=[p.url for p in proxies],
             sync=SyncConfig(transport=TransportKind.COLOCATED, bucket_bytes=BUCKET_BYTES),
             model=MODEL,
         )
@@ -179,14 +186,16 @@ def test_colocated_sync_feeds_each_engine_from_its_own_node(cluster, reference_c
         assert report.committed, report.summary()
         num_tensors = trainers.ranks[0].num_exported_tensors
         assert [e.num_verified_tensors for e in report.engines] == [num_tensors, num_tensors]
-        # Engine j mapped memory of trainer rank j, on its own node: rank j posted engine j's request and every
-        # handle in it names a shared segment rank j's process created (torch names segments "/torch_<pid>_...").
-        for rank, actor in enumerate(trainers.actors):
-            posted = ray.get(actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60)
-            assert {(p.engine, p.url, p.feeder, p.segment_pid) for p in posted} == {
-                (rank, engines.urls[rank], rank, trainer_pids[rank])
-            }, posted
-            assert node_of_url(engines.urls[rank]) == trainer_nodes[rank]
+        # Engine j mapped memory of trainer rank j, on its own node: rank j posted every request engine j got, each a
+        # flattened bucket whose handle names a shared segment rank j's process created (torch names segments
+        # "/torch_<pid>_...").
+        for rank, proxy in enumerate(proxies):
+            posted = {
+                (r.client_pid, r.body["load_format"], tuple(segment_pid(h) for h in r.body["serialized_named_tensors"]))
+                for r in proxy.posts("/update_weights_from_tensor")
+            }
+            assert posted == {(trainer_pids[rank], "flattened_bucket", (trainer_pids[rank],))}
+            assert node_of_url(engines.urls[rank]) == node_of_url(proxy.url) == trainer_nodes[rank]
         assert_engines_bind_their_nodes(engines)
         # The fan-out group that carried each bucket from the source to the other node binds each rank's node.
         assert_new_listeners_bind_their_nodes(before, list(zip(trainer_nodes, trainer_pids)))

@@ -2,21 +2,25 @@
 engine (AITER layout, answering SGLang's engine-parameter digests), engine rank r on trainer rank r's bundle.
 
 Every trainer rank converts its own shards and feeds its own engine rank, with no gather: the gather export is
-made to fail if it runs at all, each engine rank takes in about half the model per sync (its own count), and every
-sync of trained weights is verified engine-exact per rank against the digests the feeders computed as they built
-each parameter; the engine then generates from the new weights with the version that produced them.
+made to fail if it runs at all (tests/rank_probes.py), each engine rank takes in about half the model per sync (its
+own count), and every sync of trained weights is verified engine-exact per rank against the digests the feeders
+computed as they built each parameter; the engine then generates from the new weights with the version that
+produced them. What the engine was posted is read by a recording proxy in front of it (tests/recording_proxy.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
 import ray
-from ray_fleet import RAY_TIMEOUT_S, prompts, refuse_gather, train_batch
+from rank_probes import GATHERED_UNIT, refuse_gather, unwrap_calls
+from ray_fleet import RAY_TIMEOUT_S, prompts, train_batch
+from recording_proxy import recording_proxy, segment_pid
 
 from actors.controller import create_controller
 from actors.placement import create_placement_groups
@@ -26,7 +30,6 @@ from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.engine.reference.models import read_safetensors
 from miles_sync.job.placement import plan_colocated_feeds, plan_placement
-from miles_sync.sync.attach import attached_source
 from miles_sync.transport.base import TransportKind
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.weights.shard_plan import is_target_layer
@@ -90,10 +93,13 @@ def test_each_trainer_rank_feeds_its_own_engine_rank_without_a_gather_verified_e
     engines, trainers, model_bytes = tp2_fleet
     (url,) = engines.urls
     (engine,) = engines.actors
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in trainers.actors], timeout=60)
     refuse_gather(trainers.actors)
+    stack = ExitStack()
+    proxy = stack.enter_context(recording_proxy(url, clients=pids))
     controller = create_controller(
         trainers=trainers.actors,
-        engine_urls=engines.urls,
+        engine_urls=[proxy.url],
         sync=SyncConfig(transport=TransportKind.SHARD_DIRECT, **SYNC),
         model=MODEL,
     )
@@ -116,13 +122,15 @@ def test_each_trainer_rank_feeds_its_own_engine_rank_without_a_gather_verified_e
         per_rank = [(a - b) / NUM_ROUNDS for a, b in zip(received_bytes(url), before)]
         # Each rank's own parameters: half the model, plus its copy of the replicated norms.
         assert all(0.45 < n / model_bytes < 0.55 for n in per_rank), (per_rank, model_bytes)
-        posted = ray.get(
-            [a.__ray_call__.remote(lambda self: attached_source().posted_payloads()) for a in trainers.actors],
-            timeout=60,
-        )
-        assert {(p.tp_rank, p.feeder) for rank_posted in posted for p in rank_posted} == {(0, 0), (1, 1)}
+        # Every request: engine rank r's handle maps memory trainer rank r built (a direct load), posted by rank 0
+        # (the feeder of engine rank 0).
+        posted = {
+            (r.client_pid, r.body["load_format"], tuple(segment_pid(h) for h in r.body["serialized_named_tensors"]))
+            for r in proxy.posts("/update_weights_from_tensor")
+        }
+        assert posted == {(pids[0], "direct", (pids[0], pids[1]))}
     finally:
-        for actor in trainers.actors:
-            ray.get(actor.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60)
+        unwrap_calls(trainers.actors, GATHERED_UNIT)
         ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
         ray.kill(controller)
+        stack.close()

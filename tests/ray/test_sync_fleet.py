@@ -6,6 +6,11 @@ with frozen MTP drafts in the AITER layout, one controller actor per transport.
 - an engine killed during the broadcast fails that sync in bounded time without a version bump; the survivor
   serves the old version; the restarted engine gets full, verified weights in a re-created group before serving;
 - the same rounds with shard_direct (each engine fed its own parameters by the trainer rank on its bundle);
+
+What reached each engine is read at the engine's door: a recording proxy (tests/recording_proxy.py) in front of
+it records every request, the trainer process that posted it and the memory its handles name; drills hold one
+request there to act at that point of the sync, and trainer-side points are wrapped in the trainer processes
+(tests/rank_probes.py).
 - an engine without the session endpoints is refused at connect, by name;
 - the embedding example (a pipeline with its own trainer actors) syncs into the same engines.
 """
@@ -26,6 +31,7 @@ from pathlib import Path
 import pytest
 import ray
 from aiohttp import web
+from rank_probes import GATHERED_UNIT, refuse_gather, unwrap_calls, wrap_calls
 from ray_fleet import (
     RAY_TIMEOUT_S,
     Fleet,
@@ -33,15 +39,14 @@ from ray_fleet import (
     listeners_off_loopback,
     mean_accept_length,
     prompts,
-    refuse_gather,
     started_fleet,
     target_checksum,
     train_batch,
 )
+from recording_proxy import recording_proxy, segment_pid
 
 from actors.controller import create_controller
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
-from miles_sync.sync.attach import attached_source
 from miles_sync.transport.base import TransportKind
 from miles_sync.wire.protocol import SamplingParams, Selector
 
@@ -66,9 +71,10 @@ def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[Fleet]:
 
 
 @contextlib.contextmanager
-def controller_for(fleet: Fleet, transport: TransportKind, **sync_overrides):
+def controller_for(fleet: Fleet, transport: TransportKind, *, urls=None, **sync_overrides):
+    """A controller over the fleet's engines at `urls` (default: theirs; a proxy's URL speaks for its engine)."""
     sync = SyncConfig(transport=transport, **{**SYNC, **sync_overrides})
-    urls = current_urls(fleet.engines.actors)
+    urls = current_urls(fleet.engines.actors) if urls is None else tuple(urls)
     handle = create_controller(trainers=fleet.trainers.actors, engine_urls=urls, sync=sync, model=MODEL)
     try:
         yield handle
@@ -84,9 +90,11 @@ def generate(engine_actors, round_index: int):
     return [sample for batch in batches for sample in batch]
 
 
-def run_rounds(fleet: Fleet, controller) -> list[float]:
-    """Round 0 generates from the starting weights; rounds 1..N train on the previous samples, sync, generate."""
-    actors, urls = fleet.engines.actors, current_urls(fleet.engines.actors)
+def run_rounds(fleet: Fleet, controller, *, urls=None) -> list[float]:
+    """Round 0 generates from the starting weights; rounds 1..N train on the previous samples, sync, generate.
+    `urls`: the engines' URLs as the controller has them (default: theirs)."""
+    actors = fleet.engines.actors
+    urls = current_urls(actors) if urls is None else tuple(urls)
     assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).serving_engines == urls
     version = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).weight_version
     samples = generate(actors, 0)
@@ -121,6 +129,26 @@ def node_of(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=60)
 
 
+def trainer_pids(fleet: Fleet) -> list[int]:
+    return ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
+
+
+@contextlib.contextmanager
+def engine_proxies(fleet: Fleet, *, clients=()):
+    """A recording proxy in front of each engine, in engine order (`clients`: the pids it tells apart)."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(recording_proxy(u, clients=clients)) for u in current_urls(fleet.engines.actors)]
+
+
+def posted_handles(proxy) -> set[tuple]:
+    """Every update_weights_from_tensor request the proxy's engine got: (the pid of the trainer process that posted
+    it, its load_format, the pid of the process whose shared memory each TP rank's handle names)."""
+    return {
+        (r.client_pid, r.body["load_format"], tuple(segment_pid(p) for p in r.body["serialized_named_tensors"]))
+        for r in proxy.posts("/update_weights_from_tensor")
+    }
+
+
 def test_distributed_rounds(fleet):
     with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         accept = run_rounds(fleet, controller)
@@ -147,22 +175,23 @@ def own_pids(fleet: Fleet, controller) -> list[int]:
 
 def test_colocated_rounds(fleet):
     # Colocated placement: engine j shares a bundle, hence a node, with trainer rank j.
-    assert fleet.plan.shared_bundles() == {0: (0,), 1: (1,)}
-    for engine, ranks in fleet.plan.shared_bundles().items():
+    plan = fleet.plan
+    shared = {
+        e.index: [t.index for t in plan.trainers if (t.group, t.bundle) == (e.group, e.bundle)] for e in plan.engines
+    }
+    assert shared == {0: [0], 1: [1]}
+    for engine, ranks in shared.items():
         assert node_of(fleet.engines.actors[engine]) == node_of(fleet.trainers.actors[ranks[0]])
-    with controller_for(fleet, TransportKind.COLOCATED) as controller:
-        assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership is None  # no update group
-        accept = run_rounds(fleet, controller)
-        # Engine j mapped trainer rank j's own memory: rank j posted engine j's requests, and every handle in them
-        # names a shared segment that rank j's process created (torch names segments "/torch_<pid>_...").
-        urls = current_urls(fleet.engines.actors)
-        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
-        for rank, actor in enumerate(fleet.trainers.actors):
-            posted = ray.get(actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60)
-            assert posted, f"trainer rank {rank} posted nothing"
-            assert {(p.engine, p.url, p.tp_rank, p.feeder, p.segment_pid) for p in posted} == {
-                (rank, urls[rank], 0, rank, pids[rank])
-            }, posted
+    pids = trainer_pids(fleet)
+    with engine_proxies(fleet, clients=pids) as proxies:
+        with controller_for(fleet, TransportKind.COLOCATED, urls=[p.url for p in proxies]) as controller:
+            assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership is None  # no update group
+            accept = run_rounds(fleet, controller, urls=[p.url for p in proxies])
+        # Engine j mapped trainer rank j's own memory: every request engine j got in every round was posted by rank
+        # j, as a flattened bucket whose one handle names a shared segment rank j's process created (torch names
+        # segments "/torch_<pid>_...").
+        for rank, proxy in enumerate(proxies):
+            assert posted_handles(proxy) == {(pids[rank], "flattened_bucket", (pids[rank],))}
     print("colocated accept lengths", accept)
 
 
@@ -171,22 +200,17 @@ def test_shard_direct_rounds(fleet):
     each rank converts its own TP shards, sends the other rank the halves its TP=1 engine lacks, and builds its
     engine's parameters; the engine-built HF tensors are verified exact; each engine maps only memory of its own
     rank."""
+    pids = trainer_pids(fleet)
     refuse_gather(fleet.trainers.actors)
     try:
-        with controller_for(fleet, TransportKind.SHARD_DIRECT) as controller:
-            accept = run_rounds(fleet, controller)
-            urls = current_urls(fleet.engines.actors)
-            pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in fleet.trainers.actors], timeout=60)
-            for rank, actor in enumerate(fleet.trainers.actors):
-                posted = ray.get(
-                    actor.__ray_call__.remote(lambda self: attached_source().posted_payloads()), timeout=60
-                )
-                assert {(p.engine, p.url, p.tp_rank, p.feeder, p.segment_pid) for p in posted} == {
-                    (rank, urls[rank], 0, rank, pids[rank])
-                }, posted
+        with engine_proxies(fleet, clients=pids) as proxies:
+            with controller_for(fleet, TransportKind.SHARD_DIRECT, urls=[p.url for p in proxies]) as controller:
+                accept = run_rounds(fleet, controller, urls=[p.url for p in proxies])
+            # Every request engine j got was posted by rank j, as a direct load of memory rank j's process built.
+            for rank, proxy in enumerate(proxies):
+                assert posted_handles(proxy) == {(pids[rank], "direct", (pids[rank],))}
     finally:
-        for actor in fleet.trainers.actors:
-            ray.get(actor.__ray_call__.remote(lambda self: attached_source().clear_unit_listeners()), timeout=60)
+        unwrap_calls(fleet.trainers.actors, GATHERED_UNIT)
     print("shard_direct accept lengths", accept)
 
 
@@ -281,58 +305,39 @@ def test_embedding_example_syncs_a_two_stage_pipelines_own_trainers(fleet, refer
     assert len(after) == 1 and after != before  # the pipeline's weights reached both engines
 
 
-def slow_export(unit_index: int, seconds: float):
-    """A unit listener for the source rank: pause the export for `seconds` at unit `unit_index`. Returned as a
-    closure so that Ray ships it by value (the test module is not importable in the actor)."""
-
-    def arm(actor):
-        def pause(index: int) -> None:
-            if index == unit_index:
-                time.sleep(seconds)
-
-        attached_source().add_unit_listener(pause)
-
-    return arm
-
-
 def test_bucket_progress_reaches_the_driver_while_the_sync_runs(fleet):
-    source = fleet.trainers.actors[fleet.source_rank]
-    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
-        num_units = fleet.num_tensors  # at least one unit per bucket boundary; pause halfway through the export
-        ray.get(source.__ray_call__.remote(slow_export(num_units // 2, 3.0)), timeout=60)
+    first, second = current_urls(fleet.engines.actors)
+    # The sync is held at its third bucket: engine 0's request for it waits in the proxy, so no bucket from the
+    # third on can be acknowledged, while the first two were (a bucket is sent once the one before it was).
+    with (
+        recording_proxy(first) as proxy,
+        controller_for(fleet, TransportKind.DISTRIBUTED, urls=[proxy.url, second]) as controller,
+    ):
+        hold = proxy.hold("/update_weights_from_distributed", nth=3)
+        ref = controller.sync.remote()
         try:
-            ref = controller.sync.remote()
+            hold.wait(RAY_TIMEOUT_S)
             seen = []
-            while not ray.wait([ref], timeout=0.05)[0]:
+            deadline = time.monotonic() + 10.0  # the held bucket's broadcast waits for engine 0 only so long
+            while not seen or seen[-1] < 2:
                 progress = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).progress
-                if progress is not None:
-                    seen.append(len(progress.buckets))
-            report = ray.get(ref, timeout=RAY_TIMEOUT_S)
+                seen.append(0 if progress is None else len(progress.buckets))
+                assert not ray.wait([ref], timeout=0)[0], "the sync ended with a bucket held"
+                assert time.monotonic() < deadline, f"no acknowledged bucket reached the driver: {seen}"
         finally:
-            ray.get(source.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()), timeout=60)
-        assert report.committed and report.num_buckets > 2, report.summary()
-        # Buckets acknowledged before the pause were visible while the sync still ran.
-        assert any(0 < n < report.num_buckets for n in seen), seen
+            hold.release()
+        report = ray.get(ref, timeout=RAY_TIMEOUT_S)
+        assert report.committed and report.num_buckets > 3, report.summary()
+        # The buckets acknowledged before the held one were visible while the sync still ran, and no later one.
+        assert seen[-1] == 2, seen
         final = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).progress
         assert final.version == report.version
         assert [b.index for b in final.buckets] == list(range(report.num_buckets))
         assert final.buckets[-1].total_bytes == report.num_bytes
 
 
-def failing_export(unit_index: int):
-    def arm(actor):
-        def fail(index: int) -> None:
-            if index == unit_index:
-                raise RuntimeError(f"export failed on purpose at unit {index}")
-
-        attached_source().add_unit_listener(fail)
-
-    return arm
-
-
 def test_staged_export_sends_the_same_bytes_and_a_failed_stage_changes_nothing(fleet):
     urls = current_urls(fleet.engines.actors)
-    source = fleet.trainers.actors[fleet.source_rank]
     with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
         plain = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         after_plain = {target_checksum(u) for u in urls}
@@ -345,11 +350,16 @@ def test_staged_export_sends_the_same_bytes_and_a_failed_stage_changes_nothing(f
             assert engine.success and engine.num_verified_tensors == fleet.num_tensors, engine
         assert {target_checksum(u) for u in urls} == after_plain and len(after_plain) == 1
 
-        ray.get(source.__ray_call__.remote(failing_export(3)), timeout=60)
+        def fail(index: int) -> None:  # nested: Ray pickles it by value into the trainer processes
+            if index == 3:
+                raise RuntimeError(f"export failed on purpose at unit {index}")
+
+        # Every rank fails at unit 3, after its collectives: no rank is left inside the export's collectives.
+        wrap_calls(fleet.trainers.actors, GATHERED_UNIT, fail)
         try:
             failed = ray.get(controller.sync.remote(raise_on_failure=False), timeout=RAY_TIMEOUT_S)
         finally:
-            ray.get(source.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()), timeout=60)
+            unwrap_calls(fleet.trainers.actors, GATHERED_UNIT)
         assert not failed.committed and "on purpose" in failed.error, failed.summary()
         assert failed.phases.pause_s == 0.0  # it failed while staging: the engines were never paused
         assert ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).weight_version == staged.version
@@ -359,36 +369,33 @@ def test_staged_export_sends_the_same_bytes_and_a_failed_stage_changes_nothing(f
         assert ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S).committed  # and the next sync works
 
 
-def arm_engine_kill(victim):
-    """A unit listener for the source rank: SIGKILL the victim engine as the first unit leaves the export, i.e.
-    after every engine has begun the session and before the first bucket's broadcast completes."""
-
-    def arm(actor, victim):
-        fired = []
-
-        def kill_once(index: int) -> None:
-            if not fired:
-                fired.append(index)
-                ray.get(victim.kill.remote(), timeout=60)
-
-        attached_source().add_unit_listener(kill_once)
-
-    return arm
+@contextlib.contextmanager
+def victim_behind_a_proxy(fleet: Fleet):
+    """A distributed controller whose engine 0 (the victim, ranks 1.. of the group) it reaches through a recording
+    proxy; yields (controller, proxy, the victim's URL as the controller has it, the survivor's URL)."""
+    victim_url, survivor_url = current_urls(fleet.engines.actors)
+    with recording_proxy(victim_url) as proxy:
+        with controller_for(fleet, TransportKind.DISTRIBUTED, urls=[proxy.url, survivor_url]) as controller:
+            yield controller, proxy, proxy.url, survivor_url
 
 
-def kill_during_broadcast(fleet: Fleet, controller):
-    """Commit one sync, then run one in which the victim engine (engines[0], ranks 1.. of the group) dies during
-    the broadcast. Returns (committed report, its update group, failed report, seconds the failed sync took)."""
+def kill_during_broadcast(fleet: Fleet, controller, proxy):
+    """Commit one sync, then run one in which the victim engine dies during the broadcast: once every engine has
+    begun the session, its request for the first bucket is held in its proxy (so it never joins that broadcast),
+    the engine is SIGKILLed and the request let through to the dead server. Returns (committed report, its update
+    group, failed report, seconds the failed sync took)."""
     victim = fleet.engines.actors[0]
-    source = fleet.trainers.actors[fleet.source_rank]
     first = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
     group = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership
-    ray.get(source.__ray_call__.remote(arm_engine_kill(victim), victim), timeout=60)
+    hold = proxy.hold("/update_weights_from_distributed")
     start = time.monotonic()
+    ref = controller.sync.remote(raise_on_failure=False)
     try:
-        failed = ray.get(controller.sync.remote(raise_on_failure=False), timeout=RAY_TIMEOUT_S)
+        hold.wait(RAY_TIMEOUT_S)
+        ray.get(victim.kill.remote(), timeout=60)
     finally:
-        ray.get(source.__ray_call__.remote(lambda actor: attached_source().clear_unit_listeners()), timeout=60)
+        hold.release()
+    failed = ray.get(ref, timeout=RAY_TIMEOUT_S)
     return first, group, failed, time.monotonic() - start
 
 
@@ -400,9 +407,8 @@ def restart_victim(fleet: Fleet, controller, victim_url: str) -> str:
 
 def test_engine_killed_during_broadcast(fleet):
     victim, survivor = fleet.engines.actors
-    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
-        victim_url, survivor_url = current_urls(fleet.engines.actors)
-        first, group_before, failed, elapsed = kill_during_broadcast(fleet, controller)
+    with victim_behind_a_proxy(fleet) as (controller, proxy, victim_url, survivor_url):
+        first, group_before, failed, elapsed = kill_during_broadcast(fleet, controller, proxy)
         assert not failed.committed and failed.error, failed.summary()
         print(f"failed sync after {elapsed:.2f} s: {failed.error[:300]}")
         assert elapsed < SYNC["sync_timeout_s"], f"the failed sync took {elapsed:.1f} s"
@@ -435,9 +441,8 @@ def test_engine_killed_during_broadcast(fleet):
 
 def test_survivor_of_a_killed_broadcast_serves_the_committed_version(fleet):
     survivor = fleet.engines.actors[1]
-    with controller_for(fleet, TransportKind.DISTRIBUTED) as controller:
-        victim_url, _ = current_urls(fleet.engines.actors)
-        first, _, failed, _ = kill_during_broadcast(fleet, controller)
+    with victim_behind_a_proxy(fleet) as (controller, proxy, victim_url, _):
+        first, _, failed, _ = kill_during_broadcast(fleet, controller, proxy)
         try:
             assert not failed.committed
             # The victim is ranks 1.. of the group: gloo's broadcast fails before any byte reaches the survivor.

@@ -15,7 +15,6 @@ from miles_sync.transport.colocated import (
     BucketAnnouncement,
     FedPayload,
     FlattenedContents,
-    PostedPayload,
     RankHandles,
     RankOutcomes,
     SendEnd,
@@ -208,7 +207,6 @@ def test_disaggregated_placement_is_refused_for_the_colocated_transport():
         RankHandles(rank=1, payloads=(FedPayload(engine=0, tp_rank=1, feeder=1, payload="abc"),)),
         RankHandles(rank=2, payloads=(), error="rank 2 could not encode its handles"),
         RankOutcomes(rank=0, failures=("http://a: refused",)),
-        PostedPayload(engine=0, url="http://a", tp_rank=0, feeder=0, segment_pid=None),
         EngineEndpoint(
             url="http://a",
             tp_size=2,
