@@ -226,5 +226,6 @@ class EngineConnector:
         if self._canary.is_enabled:
             engines = {r.url: r.client for r in records}
             readings = await measure_canary(engines, self._canary, baselines={}, timeout_s=self._timeout_s)
+            baselines = next_baselines({}, readings)
             for record in records:
-                record.canary_baseline = next_baselines({}, readings).get(record.url)
+                record.canary_baseline = baselines.get(record.url)
