@@ -146,7 +146,7 @@ class RemoteTrainerSource(WeightSource):
         """Raise ValueError, naming each engine and node, when the colocated transport would feed an engine from a
         trainer rank on another node (`transport.feeds.feed_node_problems`); a no-op for other transports. The
         controller calls it once it knows the engines (at connect), and every `open` does."""
-        if not transport_spec(self._calls.settings.transport).feeds_from_every_rank:
+        if not transport_spec(self._calls.settings.transport).places_colocated():
             return
         raise_if(
             colocated_node_problems(self._ranks, engines),
@@ -250,9 +250,9 @@ class StageSource(WeightSource):
 
     def __init__(self, *, stage: int, trainers: Sequence[Any], source_index: int, calls: _RankCalls) -> None:
         self.index = stage  # its pipeline stage
-        # A transport that spreads its feeds (p2p) routes every rank's own shards at send time and packs nothing
+        # A transport with only a routed form (p2p) sends every rank's own shards at send time and packs nothing
         # ahead, so a later stage waits for its turn instead (miles_sync.sync.pipeline).
-        self.can_stage = not transport_spec(calls.settings.transport).spreads_feeds
+        self.can_stage = transport_spec(calls.settings.transport).can_pack_ahead()
         self.flushes_cache = calls.settings.flush_cache
         self._trainers = tuple(trainers)
         self._source_index = source_index

@@ -129,8 +129,8 @@ def bench_case(
     from actors.trainer import create_trainers
 
     log(f"{case.name}: starting trainers and engines")
-    loader = transport_spec(TransportKind.P2P).custom_weight_loader
-    spec = ReferenceEngineSpec(model_dir=str(model_dir), tp_size=case.engine_tp, custom_weight_loaders=(loader,))
+    loaders = transport_spec(TransportKind.P2P).engine_weight_loaders()
+    spec = ReferenceEngineSpec(model_dir=str(model_dir), tp_size=case.engine_tp, custom_weight_loaders=loaders)
     with ExitStack() as stack:
         engines = create_engines(specs=[spec] * case.num_engines, log_dir=log_dir)
         stack.callback(engines.shutdown)

@@ -252,7 +252,7 @@ def job_placement(config: MilesSyncConfig) -> PlacementPlan | None:
     if config.engines.urls:
         return None
     cluster = config.cluster
-    is_colocated = transport_spec(config.sync.transport).feeds_from_every_rank
+    is_colocated = transport_spec(config.sync.transport).places_colocated()
     return plan_placement(
         layout=PlacementLayout.COLOCATED if is_colocated else PlacementLayout.DISAGGREGATED,
         num_trainers=config.trainer.world_size,
@@ -269,7 +269,7 @@ def job_feed_plan(config: MilesSyncConfig, plan: PlacementPlan | None) -> FeedPl
     """Colocated transport on placed engines: each engine rank is fed by the trainer rank on its bundle. Running
     servers have no placement: the export source feeds them all; with pipeline stages each stage's source feeds
     every engine rank itself (a feed plan spans the whole trainer group, and the stages open one after another)."""
-    if plan is None or not transport_spec(config.sync.transport).feeds_from_every_rank or config.trainer.pp > 1:
+    if plan is None or not transport_spec(config.sync.transport).places_colocated() or config.trainer.pp > 1:
         return None
     return plan_colocated_feeds(plan)
 

@@ -82,7 +82,7 @@ def engine_settings(job: ResolvedJob, *, device: str | None, sglang_python: str 
         lora=config.sync.lora.engine_settings() if config.sync.mode is SyncMode.LORA else None,
         device=device,
         server_python=sglang_python if config.engines.kind is EngineKind.SGLANG else None,
-        custom_weight_loaders=tuple(filter(None, [transport_spec(config.sync.transport).custom_weight_loader])),
+        custom_weight_loaders=transport_spec(config.sync.transport).engine_weight_loaders(),
     )
 
 

@@ -91,7 +91,7 @@ class SenderSettings:
         if (
             self.quantization is not None
             and self.transport in TRANSPORTS
-            and TRANSPORTS[self.transport].needs_engine_layouts
+            and TRANSPORTS[self.transport].sends_engine_parameters()
         ):
             problems.append(
                 f"transport={self.transport!r} sends the engines' own parameters, planned from the exported dtypes: "
@@ -198,10 +198,8 @@ class Sender(WeightSource):
 
     @property
     def _shares_cpu_memory(self) -> bool:
-        return (
-            self._transport_name is not None
-            and self._device.type == "cpu"
-            and transport_spec(self._transport_name).shares_cpu_memory
+        return self._transport_name is not None and transport_spec(self._transport_name).packs_into_shared_memory(
+            self._device.type
         )
 
     async def close(self) -> None:

@@ -154,7 +154,7 @@ async def run_sync_session(
             on_bucket=on_bucket,
             quantization=quantization,
             draft_baselines=draft_baselines,
-            loads_target_only=transport_spec(transport_name).needs_engine_layouts,
+            loads_target_only=transport_spec(transport_name).sends_engine_parameters(),
         )
 
     await run_in_frame(

@@ -29,7 +29,7 @@ from miles_sync.sync.report import BucketProgress
 from miles_sync.sync.routed import RoutedSender
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests
-from miles_sync.transport.base import transport_spec
+from miles_sync.transport.base import RankForm, transport_spec
 from miles_sync.transport.colocated import find_source_rank
 from miles_sync.transport.feeds import FeedPlan, FeedRole, plan_spread_feeds
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
@@ -161,15 +161,9 @@ class ModelSource:
         self._sender: Sender | RoutedSender | None = None
         self._call_timeout_s = collective_timeout_s
 
-    def routes_own_shards(self, transport: str) -> bool:
-        """Whether a sync over `transport` runs routed (every rank sends its own shards, no gather): the transport
-        has a routed form, the conversion is raw (its converters give each rank's own slices) and a feed plan says
-        which rank feeds each engine rank."""
-        spec = transport_spec(transport)
-        return (
-            spec.routed_factory is not None
-            and self._conversion is ConversionMode.RAW
-            and (self._feeds is not None or spec.spreads_feeds)
+    def _form(self, transport: str) -> RankForm:
+        return transport_spec(transport).form(
+            raw_conversion=self._conversion is ConversionMode.RAW, has_feed_plan=self._feeds is not None
         )
 
     def describe(self) -> RankInfo:
@@ -187,11 +181,8 @@ class ModelSource:
         self.close(timeout_s=settings.call_timeout_s)
         role = None
         feeds = self._feeds
-        if (
-            feeds is None
-            and transport_spec(settings.transport).spreads_feeds
-            and self.routes_own_shards(settings.transport)
-        ):
+        form = self._form(settings.transport)
+        if form is RankForm.SPREAD:
             # Feeds spread over this stage's ranks: with pipeline stages each stage opens and sends on its own turn
             # (miles_sync.sync.pipeline), feeding every engine rank its own layers, so nothing spans two stages.
             stage_ranks, source_rank = self._stage_ranks()
@@ -205,7 +196,7 @@ class ModelSource:
             _, source_rank = find_source_rank(is_source=self._is_source)
             role = FeedRole(plan=feeds, rank=self._info.rank, source_rank=source_rank)
         sender: Sender | RoutedSender
-        if role is not None and self.routes_own_shards(settings.transport):
+        if form is not RankForm.GATHERED:
             sender = RoutedSender(
                 settings=settings,
                 pieces=self._local_pieces,

@@ -85,7 +85,7 @@ class UpdateGroup:
         except ValueError as exc:
             return f"transport set-up failed: {exc}"
         membership = None
-        if self._spec.needs_update_group:
+        if self._spec.opens_update_group():
             name = f"{self._settings.name}_{self._token}_{self._generation}"
             # A source with pipeline stages opens one group per stage under names derived from this one.
             self._names = stage_group_names(name, num_stages=self._source.num_stages)
@@ -144,7 +144,7 @@ class UpdateGroup:
         """The engines as the transport opens them: with each one's parameter layout where the transport sends the
         engines' own parameters (ValueError naming each engine whose layout is unknown)."""
         records = fleet.records
-        if not self._spec.needs_engine_layouts:
+        if not self._spec.sends_engine_parameters():
             return [r.endpoint for r in records]
         layouts = await read_direct_layouts([r.client for r in records])
         return [replace(r.endpoint, direct=layouts.get(r.url)) for r in records]

@@ -34,6 +34,7 @@ from miles_sync.wire.codec import WireEnum
 from miles_sync.wire.protocol import Selector
 
 __all__ = [
+    "RankForm",
     "RankSetup",
     "RankTransport",
     "RoutedRankTransport",
@@ -161,6 +162,52 @@ class TransportSpec:
     # The engines must be started with this import path as `--custom-weight-loader` (SGLang's flag; the reference
     # engine's too); the posted requests name it as their load_format.
     custom_weight_loader: str | None = None
+
+    # What the rest of the package asks of a row: the flags above are read here (and in miles_sync.config's
+    # validation) only, so adding a transport touches its module and its row.
+
+    def form(self, *, raw_conversion: bool, has_feed_plan: bool) -> RankForm:
+        """How each trainer rank takes part in a send, for a source of that conversion with (or without) a feed
+        plan: routed where the transport has a routed form, the conversion gives each rank its own slices (raw) and
+        something says which rank feeds each engine rank (the given plan, or the transport's own spread)."""
+        if self.routed_factory is None or not raw_conversion:
+            return RankForm.GATHERED
+        if has_feed_plan:
+            return RankForm.ROUTED
+        return RankForm.SPREAD if self.spreads_feeds else RankForm.GATHERED
+
+    def can_pack_ahead(self) -> bool:
+        """Whether a rank can pack a send ahead of the session (staged export): not where the only form routes
+        each rank's own shards at send time."""
+        return self.rank_factory is not None
+
+    def places_colocated(self) -> bool:
+        """Whether each engine rank is fed by the trainer rank on its own device (placement bundles shared)."""
+        return self.feeds_from_every_rank
+
+    def opens_update_group(self) -> bool:
+        return self.needs_update_group
+
+    def sends_engine_parameters(self) -> bool:
+        """Whether payloads are the engines' own parameters (endpoints carry their layouts; target runner only)."""
+        return self.needs_engine_layouts
+
+    def packs_into_shared_memory(self, device_type: str) -> bool:
+        return self.shares_cpu_memory and device_type == "cpu"
+
+    def engine_weight_loaders(self) -> tuple[str, ...]:
+        """The `--custom-weight-loader` import paths the engines must be started with."""
+        return (self.custom_weight_loader,) if self.custom_weight_loader else ()
+
+
+class RankForm(WireEnum):
+    """gathered: the export source sends the full HF tensors (each rank of a feed plan hands its copy on); routed:
+    every rank sends its own shards to the engine ranks the feed plan gives it; spread: the same, with the feeds
+    spread over the ranks of each pipeline stage at open (miles_sync.transport.feeds.plan_spread_feeds)."""
+
+    GATHERED = "gathered"
+    ROUTED = "routed"
+    SPREAD = "spread"
 
 
 TRANSPORTS: dict[str, TransportSpec] = {  # keyed by TransportKind (a str enum: plain names look up too)

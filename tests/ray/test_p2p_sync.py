@@ -50,7 +50,7 @@ NUM_ROUNDS = 2
 @pytest.fixture(scope="module")
 def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[tuple]:
     checkpoint = reference_checkpoints / "target"
-    loader = transport_spec(TransportKind.P2P).custom_weight_loader
+    loaders = transport_spec(TransportKind.P2P).engine_weight_loaders()
     specs = [
         ReferenceEngineSpec(
             model_dir=str(checkpoint),
@@ -58,7 +58,7 @@ def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[tuple]:
             weight_layout=WeightLayout.AITER,
             checksum_names=ChecksumNames.ENGINE,
             collective_timeout_s=20.0,
-            custom_weight_loaders=(loader,),
+            custom_weight_loaders=loaders,
         )
         for tp in (2, 1)
     ]
@@ -91,7 +91,7 @@ def posted_tickets(proxy, *, pids, tp_size: int) -> set[tuple]:
     channel rank its ticket's parameters come from and the number of trainer ranks feeding that engine's channel).
     A channel's trainer members are the engine's distinct feeders in rank order, so with the poster (its TP rank 0's
     feeder) these name the trainer rank that fed each engine rank."""
-    loader = transport_spec(TransportKind.P2P).custom_weight_loader
+    (loader,) = transport_spec(TransportKind.P2P).engine_weight_loaders()
     out = set()
     for r in proxy.posts("/update_weights_from_tensor"):
         assert r.body["load_format"] == loader, r.body["load_format"]

@@ -19,6 +19,7 @@ from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.verify import checksum_problems
 from miles_sync.transport.base import (
     TRANSPORTS,
+    RankForm,
     RankSetup,
     TransportError,
     TransportSpec,
@@ -187,6 +188,22 @@ def test_transport_registry():
     assert transport_spec("distributed").needs_update_group and not transport_spec("colocated").needs_update_group
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; registered: colocated, distributed"):
         transport_spec("carrier-pigeon")
+
+
+def test_the_registry_row_decides_which_form_a_rank_runs():
+    # Kills: the routed form chosen for bridge conversion (full HF tensors), or without a plan for shard_direct
+    # (running servers: nothing ties an engine rank to a trainer rank), or p2p not spreading its own feeds.
+    distributed, colocated, shard_direct, p2p = map(transport_spec, ("distributed", "colocated", "shard_direct", "p2p"))
+    for spec in (distributed, colocated):
+        assert spec.form(raw_conversion=True, has_feed_plan=True) is RankForm.GATHERED
+    assert shard_direct.form(raw_conversion=True, has_feed_plan=True) is RankForm.ROUTED
+    assert shard_direct.form(raw_conversion=True, has_feed_plan=False) is RankForm.GATHERED
+    assert shard_direct.form(raw_conversion=False, has_feed_plan=True) is RankForm.GATHERED
+    assert p2p.form(raw_conversion=True, has_feed_plan=False) is RankForm.SPREAD
+    assert p2p.form(raw_conversion=True, has_feed_plan=True) is RankForm.ROUTED
+    assert [name for name in TRANSPORTS if not transport_spec(name).can_pack_ahead()] == ["p2p"]
+    assert p2p.engine_weight_loaders() == ("miles_sync.transport.p2p_loader.load_routed",)
+    assert distributed.engine_weight_loaders() == ()
 
 
 def test_the_registry_refuses_a_form_a_transport_does_not_have():
