@@ -30,7 +30,7 @@ from miles_sync.sync.routed import RoutedSender
 from miles_sync.sync.sender import Sender, SenderSettings
 from miles_sync.sync.weight_source import SendResult, StageResult, WeightDigests
 from miles_sync.transport.base import RankForm, transport_spec
-from miles_sync.transport.colocated import find_source_rank
+from miles_sync.transport.fan_out import find_source_rank
 from miles_sync.transport.feeds import FeedPlan, FeedRole, plan_spread_feeds
 from miles_sync.transport.membership import EngineEndpoint, GroupMembership
 from miles_sync.weights.shard_routes import LocalPiece

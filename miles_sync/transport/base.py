@@ -145,7 +145,7 @@ class TransportSpec:
     # bucket would be copied once more into a fresh segment when it is pickled.
     shares_cpu_memory: bool = False
     # Engine ranks map memory of the trainer rank on their own device: every rank of a FeedPlan takes part in
-    # each bucket (see miles_sync.transport.colocated), not only the export source.
+    # each bucket (see miles_sync.transport.fan_out), not only the export source.
     feeds_from_every_rank: bool = False
     # Payloads are the engines' own parameters: the controller gives each endpoint its layout, the source plans from
     # the export's tensor metas, and a session whose selector covers a draft runner is refused (a direct load goes

@@ -30,9 +30,10 @@ send in which any rank's channel failed, every rank drops every channel and the 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from miles_sync.env import bind_host
-from miles_sync.transport.base import RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
-from miles_sync.transport.colocated import Collectives, open_posting_fan_out
+from miles_sync.transport.base import RankSetup, TransportError
+from miles_sync.transport.fan_out import Collectives, FanOut
 from miles_sync.transport.feeds import FeedPlan, FeedRole
 from miles_sync.transport.group import UpdateGroup, create_update_group, start_store_server
 from miles_sync.transport.membership import EngineEndpoint
@@ -56,18 +57,9 @@ from miles_sync.transport.p2p_loader import (
     encode_ticket,
     send_params,
 )
-from miles_sync.transport.shard_routed import (
-    RoutedBucketIndex,
-    RoutedDelivery,
-    ShardRoutedRank,
-    all_gather,
-    routed_delivery,
-)
-from miles_sync.weights.checksum import TensorHash
-from miles_sync.weights.shard_routes import Build, Holding, LocalPiece, RoutedSchedule
-from miles_sync.wire.bucket import BucketEntry, unpack_bucket
+from miles_sync.transport.shard_routed import BuiltRank, RoutedRank, all_gather, open_routed, routed_role
+from miles_sync.weights.shard_routes import Holding
 from miles_sync.wire.payload import encode_inline_named_tensors
-from miles_sync.wire.protocol import Selector
 
 __all__: list[str] = []  # reached through the transport registry only
 
@@ -176,75 +168,43 @@ class Channels:
         self._store = None
 
 
-class P2PDelivery:
-    """The routed delivery (shard_routed.RoutedDelivery: plan, exchange, build, digests) with each build sent over
-    its engine's channel instead of mapped: payloads are tickets, posted with load_format = the loader's path."""
+class ChannelSink:
+    """p2p's sink for the routed delivery (shard_routed.PayloadSink): each engine rank's build sent over its engine's
+    channel instead of posted; the payloads are tickets, posted with load_format = the loader's path. After every
+    send the ranks agree whether any channel failed, and if so all drop theirs."""
 
     load_format = LOADER_PATH
 
-    def __init__(self, *, routed: RoutedDelivery, role: FeedRole, timeout_s: float) -> None:
-        self._routed = routed
+    def __init__(self, *, role: FeedRole, timeout_s: float) -> None:
         self._role = role
         self._timeout_s = timeout_s
         self._channels: Channels | None = None
-        self._layout_of = routed.layout_of
         fed = {j for j, _ in role.plan.feeds_of(role.rank)}
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, len(fed))), thread_name_prefix="miles-sync-p2p")
         self._pending: list[Future] = []
 
-    @property
-    def schedule(self) -> RoutedSchedule:
-        return self._routed.schedule
+    async def connect(self, fan_out: FanOut, *, device: str) -> None:
+        """Join the channel store at open (every rank at once): the source starts it on its node's address and
+        broadcasts where it listens over the fan-out."""
+        store = None
+        if self._role.rank == self._role.source_rank:
+            store = start_store_server(host=bind_host(), timeout_s=self._timeout_s)
+        address = await fan_out.collective(
+            _store_address, None if store is None else StoreAddress(host=bind_host(), port=store.port)
+        )
+        self._channels = Channels(
+            plan=self._role.plan,
+            rank=self._role.rank,
+            address=address,
+            store=store,
+            timeout_s=self._timeout_s,
+            backend="nccl" if torch.device(device).type == "cuda" else "gloo",
+            slot=self._role.source_rank,
+        )
 
-    def connect(self, channels: Channels) -> None:
-        self._channels = channels
-
-    # ---- what ShardRoutedRank drives (as on RoutedDelivery) ----------------------------------------------------
-
-    def plan(self, collectives: Collectives, holdings: Sequence[tuple[str, Holding]]) -> RoutedSchedule:
-        return self._routed.plan(collectives, holdings)
-
-    def load(
-        self,
-        pieces: Iterable[LocalPiece],
-        *,
-        hashes: Sequence[TensorHash],
-        checksums: bool,
-    ) -> None:
-        """As RoutedDelivery.load."""
-        self._routed.load(pieces, hashes=hashes, checksums=checksums)
-
-    def digests(self) -> tuple:
-        return self._routed.digests()
-
-    def num_bytes(self, bucket: int | None = None) -> int:
-        return self._routed.num_bytes(bucket)
-
-    def checksums(self, gathered: Sequence[Sequence]) -> dict[str, str]:
-        return self._routed.checksums(gathered)
-
-    def expected(self, gathered: Sequence[Sequence]) -> dict:
-        return self._routed.expected(gathered)
-
-    # ---- Delivery ----------------------------------------------------------------------------------------------
-
-    def prepare(self, bucket: object) -> tuple[object, object]:
-        return self._routed.prepare(bucket)
-
-    def receive(self, contents: RoutedBucketIndex, local: object | None, collectives: Collectives) -> object:
-        return self._routed.receive(contents, local, collectives)
-
-    def encode(
-        self,
-        contents: RoutedBucketIndex,
-        local: Mapping[Build, tuple[tuple[BucketEntry, ...], torch.Tensor]] | object,
-        *,
-        feeds: Sequence[tuple[int, int]],
-    ) -> list[str | None]:
+    def encode(self, built: Sequence[BuiltRank | None]) -> list[str | None]:
         """One ticket per engine rank this rank feeds (None where it has nothing in this bucket); the builds go to
         the channel thread, which sends them while the posters post the tickets."""
-        if not isinstance(local, Mapping):  # a failed exchange or build: reported through the group
-            return self._routed.encode(contents, local, feeds=feeds)
         channels = self._channels
         if channels is None:
             raise TransportError("the p2p delivery has no channels (open it first)")
@@ -252,28 +212,23 @@ class P2PDelivery:
         sends: dict[int, dict[int, list[torch.Tensor]]] = {}
         names: dict[int, dict[int, tuple[str, ...]]] = {}
         digests: dict[int, dict[int, bytes | None]] = {}
-        for j, tp_rank in feeds:
-            build = Build(layout=self._layout_of[j], tp_rank=tp_rank, feeder=self._role.rank)
-            entries, buffer = local.get(build, ((), None))
-            if not entries:
+        for b in built:
+            if b is None:
                 payloads.append(None)
                 continue
-            tensors = unpack_bucket(buffer, entries)
-            own = channels.own_rank(j)
+            own, engine_rank = channels.own_rank(b.engine), channels.engine_rank(b.engine, b.tp_rank)
             ticket = Ticket(
-                channel=channels.spec(j, rank=channels.engine_rank(j, tp_rank)),
+                channel=channels.spec(b.engine, rank=engine_rank),
                 params=tuple(
                     ParamTicket(name=n, source=own, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
-                    for n, t in tensors
+                    for n, t in b.tensors
                 ),
             )
             payloads.append(encode_inline_named_tensors([(TICKET_NAME, encode_ticket(ticket))]))
-            sends.setdefault(j, {})[channels.engine_rank(j, tp_rank)] = [t for _, t in tensors]
-            names.setdefault(j, {})[tp_rank] = tuple(n for n, _ in tensors)
+            sends.setdefault(b.engine, {})[engine_rank] = [t for _, t in b.tensors]
+            names.setdefault(b.engine, {})[b.tp_rank] = tuple(n for n, _ in b.tensors)
             # Hashed already where the engine digests are SHA-256 (verification on): sent as they are.
-            digests.setdefault(j, {})[channels.engine_rank(j, tp_rank)] = self._routed.sha256_of(
-                build, names[j][tp_rank]
-            )
+            digests.setdefault(b.engine, {})[engine_rank] = b.sha256
         self._pending = [
             self._pool.submit(self._send, channels, j, per_rank, names[j], digests[j]) for j, per_rank in sends.items()
         ]
@@ -310,17 +265,21 @@ class P2PDelivery:
                     )
         return problems
 
-    def end_send(self) -> str | None:
-        return None
-
-    def reset(self) -> None:
-        self._routed.reset()
+    async def end_send(self, fan_out: FanOut) -> None:
+        channels = self._channels
+        if channels is None:
+            return
+        try:
+            broken = await fan_out.collective(all_gather, channels.broken)
+        except BaseException:
+            broken = [True]  # the group itself failed: nothing here can be trusted
+        if any(broken):
+            channels.drop()
 
     def close(self) -> None:
         try:
-            self._routed.close()
-        finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        finally:
             if self._channels is not None:
                 self._channels.close()
 
@@ -346,56 +305,6 @@ class P2PDelivery:
         if self._channels is not None:
             self._channels.broken = True
 
-    @property
-    def channels(self) -> Channels | None:
-        return self._channels
-
-
-class P2PRank(RoutedRankTransport):
-    """One trainer rank's side of a p2p send: the routed fan-out (ShardRoutedRank) over a P2PDelivery, plus the
-    channels' lifetime: after every send the ranks agree whether any channel failed, and if so all drop theirs."""
-
-    def __init__(self, *, routed: ShardRoutedRank, delivery: P2PDelivery, fan_out: object) -> None:
-        self._routed = routed
-        self._delivery = delivery
-        self._fan_out = fan_out
-
-    async def send(
-        self,
-        pieces: Iterable[LocalPiece],
-        *,
-        selector: Selector,
-        hashes: Sequence[TensorHash],
-        checksums: bool,
-        timeout_s: float,
-        on_bucket: Callable[[int, int, int], None] | None = None,
-    ) -> RoutedOutcome:
-        try:
-            return await self._routed.send(
-                pieces,
-                selector=selector,
-                hashes=hashes,
-                checksums=checksums,
-                timeout_s=timeout_s,
-                on_bucket=on_bucket,
-            )
-        finally:
-            await self._agree_on_channels()
-
-    async def _agree_on_channels(self) -> None:
-        channels = self._delivery.channels
-        if channels is None:
-            return
-        try:
-            broken = await self._fan_out.collective(all_gather, channels.broken)
-        except BaseException:
-            broken = [True]  # the group itself failed: nothing here can be trusted
-        if any(broken):
-            channels.drop()
-
-    async def close(self, *, timeout_s: float) -> None:
-        await self._routed.close(timeout_s=timeout_s)
-
 
 def _store_address(collectives: Collectives, address: StoreAddress | None) -> StoreAddress:
     return collectives.broadcast_object(address)
@@ -403,41 +312,19 @@ def _store_address(collectives: Collectives, address: StoreAddress | None) -> St
 
 async def open_p2p_routed_rank(
     *, engines: Sequence[EngineEndpoint], setup: RankSetup, bucket_bytes: int, holdings: Sequence[tuple[str, Holding]]
-) -> P2PRank:
-    """This rank's side of a p2p send over `engines` (every trainer rank at once): the fan-out of every trainer
-    rank, the source's channel store (its address broadcast to all), then the routed plan from every rank's
-    `holdings`. Raises ValueError, on every rank alike, for an engine without a layout or a plan that leaves a
-    slice unheld, before any byte moves."""
-    role, routed = routed_delivery(
-        engines=engines, setup=setup, bucket_bytes=bucket_bytes, transport="p2p", feeds="its spread feed plan"
+) -> RoutedRank:
+    """This rank's side of a p2p send over `engines` (every trainer rank at once): the routed fan-out of every
+    trainer rank into a ChannelSink (shard_routed.open_routed), the source's channel store (its address broadcast
+    to all), then the routed plan from every rank's `holdings`. Raises ValueError, on every rank alike, for an
+    engine without a layout or a plan that leaves a slice unheld, before any byte moves."""
+    role = routed_role(engines=engines, setup=setup, transport="p2p", feeds="its spread feed plan")
+    sink = ChannelSink(role=role, timeout_s=setup.fan_out_timeout_s)
+    return await open_routed(
+        role=role,
+        engines=engines,
+        setup=setup,
+        bucket_bytes=bucket_bytes,
+        holdings=holdings,
+        sink=sink,
+        connect_sink=functools.partial(sink.connect, device=setup.device),
     )
-    delivery = P2PDelivery(routed=routed, role=role, timeout_s=setup.fan_out_timeout_s)
-    fan_out, clients = await open_posting_fan_out(role=role, engines=engines, setup=setup, delivery=delivery)
-    if fan_out is None:
-        raise AssertionError(f"rank {role.rank} is not a member of a fan-out of every rank")
-    rank = P2PRank(
-        routed=ShardRoutedRank(fan_out=fan_out, delivery=delivery, clients=clients), delivery=delivery, fan_out=fan_out
-    )
-    try:
-        store = None
-        if role.rank == role.source_rank:
-            store = start_store_server(host=bind_host(), timeout_s=setup.fan_out_timeout_s)
-        address = await fan_out.collective(
-            _store_address, None if store is None else StoreAddress(host=bind_host(), port=store.port)
-        )
-        backend = "nccl" if torch.device(setup.device).type == "cuda" else "gloo"
-        channels = Channels(
-            plan=role.plan,
-            rank=role.rank,
-            address=address,
-            store=store,
-            timeout_s=setup.fan_out_timeout_s,
-            backend=backend,
-            slot=role.source_rank,
-        )
-        delivery.connect(channels)
-        await rank._routed.plan(holdings)
-    except BaseException:
-        await rank.close(timeout_s=setup.fan_out_timeout_s)
-        raise
-    return rank

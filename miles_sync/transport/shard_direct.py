@@ -1,7 +1,7 @@
 """Shard-direct transport: each engine TP rank receives only its own parameters, exactly as the engine stores them,
 loaded with SGLang's `load_format: "direct"` (see miles_sync.weights.shard_plan).
 
-It runs the colocated fan-out (miles_sync.transport.colocated: the same feed plan, group, posts and failure rules)
+It runs the fan-out (miles_sync.transport.fan_out: the same feed plan, group, posts and failure rules)
 with its own delivery. At open the source plans every engine layout of the fleet once (`plan_direct` over the
 export's tensor metas; a refused plan fails the open, before any session). Per bucket:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_sync.transport.base import RankSetup
-from miles_sync.transport.colocated import Collectives, ColocatedRank, ReceiveBuffer, open_fed_rank
+from miles_sync.transport.fan_out import Collectives, FedRank, ReceiveBuffer, open_fed_rank
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.weights.shard_plan import DirectLayout, DirectPlan, build_param, plan_direct
@@ -224,7 +224,7 @@ def _has_bytes(contents: DirectContents, key: Key) -> bool:
     return rank is not None and rank.num_bytes > 0
 
 
-async def open_shard_direct_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> ColocatedRank:
+async def open_shard_direct_rank(*, engines: Sequence[EngineEndpoint], setup: RankSetup) -> FedRank:
     """This rank's side of the shard-direct transport: the colocated fan-out (`open_fed_rank`) with the direct
     delivery. Raises ValueError, before anything opens, for an engine without a layout (the controller reads each
     engine's), or, on the source, for a plan the layouts refuse."""

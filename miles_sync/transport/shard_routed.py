@@ -11,7 +11,7 @@ send one after another, each its own layers: p2p). It is replayed every sync. Pe
     every rank: send the slices other feeders need (point to point, all posted at once), receive its own
     feeders: build each (layout, engine rank) buffer from its slices, hash every parameter as built (the digests
              its engine rank's checker must answer), encode one direct payload per engine rank it feeds
-    posters: POST update_weights_from_tensor, as the colocated fan-out does (miles_sync.transport.colocated)
+    posters: POST update_weights_from_tensor, as every fan-out does (miles_sync.transport.fan_out)
 
 After the send every rank all-gathers its digests, so the source returns each engine layout's expected per-rank
 digests without ever holding a full tensor. A direct load runs no weight loader, so payloads name the target's
@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from miles_sync.transport.base import RankSetup, RoutedOutcome, RoutedRankTransport, TransportError
-from miles_sync.transport.colocated import Collectives, FanOut, ReceiveBuffer, open_posting_fan_out
+from miles_sync.transport.fan_out import Collectives, FanOut, ReceiveBuffer, open_posting_fan_out
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.weights.checksum import (
@@ -83,11 +84,56 @@ class _Failed:
     message: str
 
 
-class RoutedDelivery:
-    """The fan-out delivery of a routed send (module docstring). `layouts[j]` is engine j's layout; `metas` the
-    export's tensors (every rank plans from them); `bucket_bytes` caps the largest build of a bucket."""
+@dataclass(frozen=True, kw_only=True)
+class BuiltRank:
+    """One engine rank's parameters of a bucket as its feeder built them: (name, view into the build's buffer) in
+    order, and their SHA-256 digests concatenated where the build hashed them (SHA-256 engine digests), else None."""
+
+    engine: int  # membership index
+    tp_rank: int
+    tensors: list[tuple[str, torch.Tensor]]
+    sha256: bytes | None
+
+
+class PayloadSink(Protocol):
+    """Where a routed delivery's builds go, the one step its transports differ in. `encode` turns a bucket's builds
+    (one per engine rank this rank feeds, None where it has nothing in the bucket) into the payloads posted in
+    their place; `settle` waits for whatever the payloads set going besides the posts and names each failure;
+    `end_send` runs on every rank after every send, failed or not (it may run collectives over the fan-out);
+    `close` frees what the sink holds. `load_format` is what the posted requests carry."""
+
+    load_format: LoadFormat | str
+
+    def encode(self, built: Sequence[BuiltRank | None]) -> list[str | None]: ...
+
+    def settle(self) -> list[str]: ...
+
+    async def end_send(self, fan_out: FanOut) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InlineSink:
+    """shard_direct's sink: each engine rank's parameters posted inline as its direct payload."""
 
     load_format = LoadFormat.DIRECT
+
+    def encode(self, built: Sequence[BuiltRank | None]) -> list[str | None]:
+        return [None if b is None else encode_named_tensors(b.tensors) for b in built]
+
+    def settle(self) -> list[str]:
+        return []
+
+    async def end_send(self, fan_out: FanOut) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class RoutedDelivery:
+    """The fan-out delivery of a routed send (module docstring) into `sink`. `layouts[j]` is engine j's layout;
+    `metas` the export's tensors (every rank plans from them); `bucket_bytes` caps the largest build of a bucket."""
 
     def __init__(
         self,
@@ -97,6 +143,7 @@ class RoutedDelivery:
         metas: Sequence[TensorMeta],
         bucket_bytes: int,
         device: torch.device,
+        sink: PayloadSink,
     ) -> None:
         if not metas:
             raise ValueError("a routed shard_direct send needs the export's tensor metas; this rank gives none")
@@ -128,11 +175,8 @@ class RoutedDelivery:
         self._digests: dict[Build, dict[TensorHash, dict[str, str]]] = {}
         self._checksums: dict[Build, dict[str, str]] = {}
         self._sha256: dict[tuple[Build, str], bytes] = {}  # full SHA-256 of each parameter built (SHA-256 engines)
-
-    @property
-    def layout_of(self) -> tuple[int, ...]:
-        """Per engine (membership order), the index of its direct layout among the distinct ones (`Build.layout`)."""
-        return tuple(self._layout_of)
+        self.sink = sink
+        self.load_format = sink.load_format
 
     @property
     def schedule(self) -> RoutedSchedule:
@@ -262,16 +306,20 @@ class RoutedDelivery:
     ) -> list[str | None]:
         if isinstance(local, _Failed):
             raise TransportError(local.message)
-        payloads: list[str | None] = []
+        built: list[BuiltRank | None] = []
         for j, tp_rank in feeds:
-            entries, buffer = local.get(
-                Build(layout=self._layout_of[j], tp_rank=tp_rank, feeder=self._role.rank), ((), None)
-            )
-            payloads.append(None if not entries else encode_named_tensors(unpack_bucket(buffer, entries)))
-        return payloads
+            build = Build(layout=self._layout_of[j], tp_rank=tp_rank, feeder=self._role.rank)
+            entries, buffer = local.get(build, ((), None))
+            if not entries:
+                built.append(None)
+                continue
+            tensors = unpack_bucket(buffer, entries)
+            sha256 = self._sha256_of(build, [n for n, _ in tensors])
+            built.append(BuiltRank(engine=j, tp_rank=tp_rank, tensors=tensors, sha256=sha256))
+        return self.sink.encode(built)
 
     def settle(self) -> list[str]:
-        return []
+        return self.sink.settle()
 
     def end_send(self) -> str | None:
         return None
@@ -280,7 +328,10 @@ class RoutedDelivery:
         self._pieces = {}
 
     def close(self) -> None:
-        self._buffers.clear()
+        try:
+            self.sink.close()
+        finally:
+            self._buffers.clear()
 
     # ---- internals ---------------------------------------------------------------------------------------------
 
@@ -310,14 +361,14 @@ class RoutedDelivery:
             )
             reported = sglang_reported_name(_TARGET_ROLE, param.name)
             for kind in self._hashes:
-                if kind is TensorHash.SHA256:  # the full digest kept: p2p sends it with the bytes (`sha256_of`)
+                if kind is TensorHash.SHA256:  # the full digest kept: p2p sends it with the bytes (BuiltRank.sha256)
                     full = self._sha256[(build, param.name)] = raw_sha256_digest(tensor)
                     digests[kind][reported] = full.hex()[:16]  # sglang_tensor_hash, without hashing again
                 else:
                     digests[kind][reported] = sglang_digest(tensor, kind)
         return entries, buffer
 
-    def sha256_of(self, build: Build, names: Sequence[str]) -> bytes | None:
+    def _sha256_of(self, build: Build, names: Sequence[str]) -> bytes | None:
         """The SHA-256 digests of `names` as `build` built them in this send, concatenated in that order; None unless
         every one was hashed (only when engine digests of the SHA-256 kind are wanted)."""
         digests = [self._sha256.get((build, name)) for name in names]
@@ -351,9 +402,10 @@ class RoutedDelivery:
         return self._buffers[build]
 
 
-class ShardRoutedRank(RoutedRankTransport):
-    """One trainer rank's side of a routed send: its fan-out (every trainer rank is a member) and delivery. Every
-    rank calls `send` at once with its own slices; the source leads each scheduled bucket, the others follow."""
+class RoutedRank(RoutedRankTransport):
+    """One trainer rank's side of a routed send (shard_direct's routed form, p2p): its fan-out (every trainer rank
+    is a member) and delivery. Every rank calls `send` at once with its own slices; the source leads each scheduled
+    bucket, the others follow; the delivery's sink ends every send on every rank."""
 
     def __init__(self, *, fan_out: FanOut, delivery: RoutedDelivery, clients: Sequence[object]) -> None:
         self._fan_out = fan_out
@@ -410,6 +462,7 @@ class ShardRoutedRank(RoutedRankTransport):
                 raise
         finally:
             self._delivery.reset()
+            await self._delivery.sink.end_send(self._fan_out)
         if error is not None:
             raise error
         if not self._fan_out.is_source:
@@ -436,12 +489,9 @@ def all_gather(collectives: Collectives, obj: object) -> list:
     return collectives.all_gather_object(obj)
 
 
-def routed_delivery(
-    *, engines: Sequence[EngineEndpoint], setup: RankSetup, bucket_bytes: int, transport: str, feeds: str
-) -> tuple[FeedRole, RoutedDelivery]:
-    """This rank's role with every trainer rank a member, and its RoutedDelivery over `engines`. Raises ValueError
-    for an engine without a layout, no feed plan (`feeds` names the one `transport` needs) or a plan that does not
-    match the engines."""
+def routed_role(*, engines: Sequence[EngineEndpoint], setup: RankSetup, transport: str, feeds: str) -> FeedRole:
+    """This rank's role with every trainer rank a member. Raises ValueError for an engine without a layout, no feed
+    plan (`feeds` names the one `transport` needs) or a plan that does not match the engines."""
     raise_if(
         [f"{e.url}: its parameter layout is unknown" for e in engines if e.direct is None],
         what=f"the {transport} transport needs every engine's parameter layout",
@@ -450,33 +500,52 @@ def routed_delivery(
         raise ValueError(f"a routed {transport} send needs {feeds} (which trainer rank feeds each engine rank)")
     role = dataclasses.replace(setup.feeds, every_rank=True)
     role.plan.check_engines(engines)
+    return role
+
+
+async def open_routed(
+    *,
+    role: FeedRole,
+    engines: Sequence[EngineEndpoint],
+    setup: RankSetup,
+    bucket_bytes: int,
+    holdings: Sequence[tuple[str, Holding]],
+    sink: PayloadSink,
+    connect_sink: Callable[[FanOut], Awaitable[None]] | None = None,
+) -> RoutedRank:
+    """This rank's side of a routed send into `sink` over `engines`: its fan-out with every trainer rank a member
+    (a collective over the trainer's default group: every rank opens at once), `connect_sink(fan_out)` where the
+    sink sets itself up over the fan-out, then the plan from every rank's `holdings` (a collective over the
+    fan-out). Everything opened is closed again on a failure."""
     delivery = RoutedDelivery(
         role=role,
         layouts=[e.direct for e in engines],
         metas=setup.metas,
         bucket_bytes=bucket_bytes,
         device=torch.device(setup.device),
-    )
-    return role, delivery
-
-
-async def open_shard_routed_rank(
-    *, engines: Sequence[EngineEndpoint], setup: RankSetup, bucket_bytes: int, holdings: Sequence[tuple[str, Holding]]
-) -> ShardRoutedRank:
-    """This rank's side of a routed send over `engines`: its fan-out with every trainer rank a member (a collective
-    over the trainer's default group: every rank opens at once), then the plan from every rank's `holdings` (a
-    collective over the fan-out). Raises ValueError, on every rank alike, for an engine without a layout, a feed
-    plan that does not match the engines, or a plan that leaves a slice unheld, before any byte moves."""
-    role, delivery = routed_delivery(
-        engines=engines, setup=setup, bucket_bytes=bucket_bytes, transport="shard_direct", feeds="a colocated feed plan"
+        sink=sink,
     )
     fan_out, clients = await open_posting_fan_out(role=role, engines=engines, setup=setup, delivery=delivery)
     if fan_out is None:
         raise AssertionError(f"rank {role.rank} is not a member of a fan-out of every rank")
-    rank = ShardRoutedRank(fan_out=fan_out, delivery=delivery, clients=clients)
+    rank = RoutedRank(fan_out=fan_out, delivery=delivery, clients=clients)
     try:
+        if connect_sink is not None:
+            await connect_sink(fan_out)
         await rank.plan(holdings)
     except BaseException:
         await rank.close(timeout_s=setup.fan_out_timeout_s)
         raise
     return rank
+
+
+async def open_shard_routed_rank(
+    *, engines: Sequence[EngineEndpoint], setup: RankSetup, bucket_bytes: int, holdings: Sequence[tuple[str, Holding]]
+) -> RoutedRank:
+    """shard_direct's routed form over `engines` (`open_routed` with the inline sink). Raises ValueError, on every
+    rank alike, for an engine without a layout, a feed plan that does not match the engines, or a plan that leaves
+    a slice unheld, before any byte moves."""
+    role = routed_role(engines=engines, setup=setup, transport="shard_direct", feeds="a colocated feed plan")
+    return await open_routed(
+        role=role, engines=engines, setup=setup, bucket_bytes=bucket_bytes, holdings=holdings, sink=InlineSink()
+    )

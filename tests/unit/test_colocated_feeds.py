@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from miles_sync.job.placement import Resources, plan_colocated_feeds, plan_placement
-from miles_sync.transport.colocated import (
-    BucketAnnouncement,
-    FedPayload,
-    FlattenedContents,
-    RankHandles,
-    RankOutcomes,
-    SendEnd,
-)
+from miles_sync.transport.colocated import FlattenedContents
+from miles_sync.transport.fan_out import BucketAnnouncement, FedPayload, RankHandles, RankOutcomes, SendEnd
 from miles_sync.transport.feeds import Device, EngineFeed, FeedPlan, FeedRole, plan_feeds, plan_spread_feeds
 from miles_sync.transport.membership import EngineEndpoint
 from miles_sync.transport.shard_direct import DirectContents, RankContents

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_shard_plan import DENSE, SHAPE, tensors_of
 
-from miles_sync.transport.colocated import Collectives
+from miles_sync.transport.fan_out import Collectives
 from miles_sync.transport.feeds import FeedRole
 from miles_sync.transport.shard_direct import DirectDelivery
 from miles_sync.weights.engine_layout import rank_engine_tensors
