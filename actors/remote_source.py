@@ -73,14 +73,14 @@ def _on_rank(actor: object, name: str, method: Callable[..., Any], kwargs: dict[
     return method(attached_source(name), **kwargs)
 
 
-class RemoteTrainerSource(WeightSource):
+class RemoteTrainerSource(PipelineSource):
     """The WeightSource (miles_sync.sync.weight_source) over trainer actors whose processes attached a model.
 
     Async, for the controller actor's event loop. `connect()` first: it reads every rank's RankInfo and groups the
-    ranks by pipeline stage, each stage with exactly one export source rank; from then on every call goes through
-    a `PipelineSource` over one `StageSource` per stage (one update group per stage, opened and sent in stage
-    order: miles_sync.sync.pipeline). With one stage that is exactly one source and one group. Every call has a
-    deadline.
+    ranks by pipeline stage, each stage with exactly one export source rank; from then on it is the
+    `PipelineSource` over one `StageSource` per stage (one update group per stage, opened and sent in stage order:
+    miles_sync.sync.pipeline), whose calls go down to the ranks through Ray. With one stage that is exactly one
+    source and one group. Every call has a deadline.
     """
 
     can_stage = True
@@ -103,30 +103,19 @@ class RemoteTrainerSource(WeightSource):
         self.flushes_cache = settings.flush_cache  # every rank builds its requests from these settings
         self._calls = _RankCalls(attachment=attachment, settings=settings, control_timeout_s=control_timeout_s)
         self._ranks: tuple[RankInfo, ...] = ()
-        self._pipeline: PipelineSource | None = None
+        # Until connect() plans the stages: one stage that refuses use (num_stages is 1, as a group name needs).
+        self.use_stages([_Unconnected()])
+        self._memberships = ()
 
     @property
     def ranks(self) -> tuple[RankInfo, ...]:
         return self._ranks
 
-    @property
-    def num_stages(self) -> int:
-        """Pipeline stages (export sources) found by `connect()`; 1 before it."""
-        return 1 if self._pipeline is None else self._pipeline.num_stages
-
-    @property
-    def memberships(self) -> tuple[GroupMembership | None, ...]:
-        """Each stage's bound update group after `open`."""
-        return () if self._pipeline is None else self._pipeline.memberships
-
     async def connect(self) -> tuple[RankInfo, ...]:
         infos = await self._calls.on_all(self._trainers, ModelSource.describe, timeout_s=self._calls.control_timeout_s)
-        self._pipeline = PipelineSource(plan_stages(self._trainers, infos, calls=self._calls))
+        self.use_stages(plan_stages(self._trainers, infos, calls=self._calls))
         self._ranks = tuple(infos)
         return self._ranks
-
-    async def exported_names(self) -> tuple[str, ...]:
-        return await self._stages().exported_names()
 
     async def adapter_payload(self, *, tp_sizes: Sequence[int]) -> AdapterPayload:
         """The LoRA adapter for engines of `tp_sizes` (miles_sync.sync.lora): every rank gathers, the export source
@@ -157,7 +146,25 @@ class RemoteTrainerSource(WeightSource):
         self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
     ) -> GroupMembership | None:
         self.check_engines(engines)
-        return await self._stages().open(engines=engines, membership=membership)
+        return await super().open(engines=engines, membership=membership)
+
+    async def close(self) -> None:
+        if not self._ranks:  # never connected: every rank may still hold a transport of an earlier owner
+            await self._calls.on_all(self._trainers, ModelSource.close, timeout_s=self._calls.rank_timeout_s)
+            return
+        await super().close()
+
+
+class _Unconnected(WeightSource):
+    """RemoteTrainerSource's stage before connect(): every call is refused, naming the step that is missing."""
+
+    async def exported_names(self) -> tuple[str, ...]:
+        raise RuntimeError("RemoteTrainerSource used before connect()")
+
+    async def open(
+        self, *, engines: Sequence[EngineEndpoint], membership: GroupMembership | None
+    ) -> GroupMembership | None:
+        raise RuntimeError("RemoteTrainerSource used before connect()")
 
     async def send(
         self,
@@ -166,26 +173,10 @@ class RemoteTrainerSource(WeightSource):
         on_bucket: Callable[[BucketProgress], None] | None = None,
         engine_digests: EngineDigestPlan | None = None,
     ) -> SendResult:
-        return await self._stages().send(selector=selector, on_bucket=on_bucket, engine_digests=engine_digests)
-
-    async def stage(
-        self, *, selector: Selector | None = None, engine_digests: EngineDigestPlan | None = None
-    ) -> StageResult:
-        return await self._stages().stage(selector=selector, engine_digests=engine_digests)
-
-    async def predict(self, *, selector: Selector, engine_digests: EngineDigestPlan | None = None) -> WeightDigests:
-        return await self._stages().predict(selector=selector, engine_digests=engine_digests)
+        raise RuntimeError("RemoteTrainerSource used before connect()")
 
     async def close(self) -> None:
-        if self._pipeline is None:  # never connected: every rank may still hold a transport of an earlier owner
-            await self._calls.on_all(self._trainers, ModelSource.close, timeout_s=self._calls.rank_timeout_s)
-            return
-        await self._pipeline.close()
-
-    def _stages(self) -> PipelineSource:
-        if self._pipeline is None:
-            raise RuntimeError("RemoteTrainerSource used before connect()")
-        return self._pipeline
+        return None
 
 
 def plan_stages(trainers: Sequence[Any], infos: Sequence[RankInfo], *, calls: _RankCalls) -> list[StageSource]:

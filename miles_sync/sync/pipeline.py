@@ -47,19 +47,29 @@ def stage_group_names(group_name: str, *, num_stages: int) -> tuple[str, ...]:
 
 class PipelineSource(WeightSource):
     """A WeightSource over one WeightSource per pipeline stage, in stage order (module docstring). It can stage
-    when every stage can."""
+    when every stage can.
+
+    A source that learns its stages only at `connect` (trainer actors: actors.remote_source) subclasses it, declares
+    its capabilities itself, and hands them over with `use_stages`; the session's calls then run here and go down
+    to the stages, never back up."""
 
     def __init__(self, stages: Sequence[WeightSource]) -> None:
-        if not stages:
-            raise ValueError("PipelineSource needs at least one stage source")
-        self._stages = tuple(stages)
         self._memberships: tuple[GroupMembership | None, ...] = ()
         self._is_staged = False
+        self.use_stages(stages)
         self.can_stage = all(s.can_stage for s in self._stages)
         self.can_predict = all(s.can_predict for s in self._stages)
         # Each stage's requests load only its layers; each flushes as it loads, so every engine is flushed by the
         # first request it receives. Mixed stages would leave the session unsure: then it flushes itself.
         self.flushes_cache = all(s.flushes_cache for s in self._stages)
+
+    def use_stages(self, stages: Sequence[WeightSource]) -> None:
+        """Sync through these stage sources from now on (stage order; at least one)."""
+        if not stages:
+            raise ValueError("PipelineSource needs at least one stage source")
+        self._stages = tuple(stages)
+        self._memberships = ()
+        self._is_staged = False
 
     @property
     def num_stages(self) -> int:
