@@ -50,6 +50,7 @@ NO_DRAFT = SelectorInputs(
     mode=SelectorMode.AUTO, speculative_algorithm=None, num_trained_mtp_layers=0, conversion_mode=ConversionMode.RAW
 )
 PROMPT = GenerateRequest(input_ids=(3, 100, 7), sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0))
+PROBE_SAMPLING = {"max_new_tokens": 6, "temperature": 0.0}  # PROMPT's, as the probe's raw JSON
 PAUSED_PROBE_S = 3.0  # a paused server does not answer /generate; a serving one answers 6 tokens in milliseconds
 
 
@@ -116,12 +117,14 @@ async def generate(url: str, *, timeout_s: float = 60.0):
 
 
 async def is_paused(url: str) -> bool:
-    """SGLang reports no pause state: a paused server leaves /generate waiting until continue_generation."""
+    """SGLang reports no pause state: a paused server leaves /generate waiting until continue_generation. The probe
+    asks for 6 greedy tokens (SGLang's default is 128 sampled ones, which a slow serving server may not
+    finish in PAUSED_PROBE_S: it would read as paused, the direction that hides a server left paused)."""
     try:
         async with aiohttp.ClientSession() as session:
             timeout = aiohttp.ClientTimeout(total=PAUSED_PROBE_S)
             async with session.post(
-                url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}}, timeout=timeout
+                url + "/generate", json={"input_ids": [3, 100, 7], "sampling_params": PROBE_SAMPLING}, timeout=timeout
             ):
                 return False
     except asyncio.TimeoutError:
