@@ -123,13 +123,6 @@ class PlacementPlan:
     def slots(self) -> tuple[ActorSlot, ...]:
         return self.trainers + self.engines
 
-    def shared_bundles(self) -> dict[int, tuple[int, ...]]:
-        """Engine index -> the trainer ranks in the same bundle (empty tuples when disaggregated)."""
-        return {
-            e.index: tuple(t.index for t in self.trainers if (t.group, t.bundle) == (e.group, e.bundle))
-            for e in self.engines
-        }
-
 
 def plan_placement(
     *,

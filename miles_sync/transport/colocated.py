@@ -25,12 +25,8 @@ from miles_sync.wire.protocol import LoadFormat
 __all__: list[str] = []  # reached through the transport registry only
 
 
-def flattened_metadata(bucket: FlattenedBucket) -> list[FlattenedTensorMetadata]:
-    """SGLang's per-tensor records of a flattened bucket (byte ranges; `numel` counts bytes). Pure."""
-    return _metadata(bucket.entries)
-
-
-def _metadata(entries: Sequence[BucketEntry]) -> list[FlattenedTensorMetadata]:
+def flattened_metadata(entries: Sequence[BucketEntry]) -> list[FlattenedTensorMetadata]:
+    """SGLang's per-tensor records of a flattened bucket's entries (byte ranges; `numel` counts bytes). Pure."""
     return [
         FlattenedTensorMetadata(
             name=e.name, shape=tuple(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.num_bytes
@@ -67,7 +63,7 @@ class FlattenedDelivery:
     def encode(
         self, contents: FlattenedContents, local: torch.Tensor, *, feeds: Sequence[tuple[int, int]]
     ) -> list[str | None]:
-        metadata = _metadata(contents.entries)
+        metadata = flattened_metadata(contents.entries)
         return [encode_flattened_bucket(buffer=local, metadata=metadata) for _ in feeds]
 
     def settle(self) -> list[str]:

@@ -19,7 +19,6 @@ trainer's checksums of what it sent are exact.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -246,15 +245,6 @@ def block_shard_problems(
             if cols % bk
         ]
     return problems
-
-
-def e4m3_error_bound(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
-    """Per-element bound on |weight - dequantize(quantize(weight))|: half an e4m3 ULP at the element's binade (3
-    mantissa bits: |w| * 2^-4) or, below the smallest normal, half the subnormal spacing (2^-10 * scale_inv)."""
-    n, k = weight.shape[-2:]
-    scales = scale_inv.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :n, :k]
-    relative = weight.to(torch.float32).abs() * 2.0**-4
-    return torch.maximum(relative, scales * 2.0**-10) * (1 + 1e-6) + math.ulp(1.0) * scales
 
 
 def sglang_dequantized(codes: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int]) -> torch.Tensor:

@@ -51,6 +51,7 @@ def hf_model(reference_checkpoints: Path):
     """transformers' model on the target checkpoint, independent of the engine's loaders (the MTP layer's tensors
     are unused by it)."""
     import transformers  # a dependency of the project: never skipped
+
     model = transformers.AutoModelForCausalLM.from_pretrained(reference_checkpoints / "target", dtype=torch.float32)
     return model.eval()
 

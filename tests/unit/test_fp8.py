@@ -5,6 +5,8 @@ stream, and the scale names, shapes and dtypes of published block-FP8 checkpoint
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,6 @@ from miles_sync.weights.fp8 import (
     Fp8Block,
     block_from_config,
     dequantize,
-    e4m3_error_bound,
     is_quantized_weight,
     quantization_config,
     quantize,
@@ -33,6 +34,15 @@ from miles_sync.wire.bucket import AtomicUnit, TensorMeta
 
 HEADERS = Path(__file__).parent.parent / "data" / "fp8_checkpoint_headers.json"
 _SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16}
+
+
+def e4m3_error_bound(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    """Per-element bound on |weight - dequantize(quantize(weight))|: half an e4m3 ULP at the element's binade (3
+    mantissa bits: |w| * 2^-4) or, below the smallest normal, half the subnormal spacing (2^-10 * scale_inv)."""
+    n, k = weight.shape[-2:]
+    scales = scale_inv.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :n, :k]
+    relative = weight.to(torch.float32).abs() * 2.0**-4
+    return torch.maximum(relative, scales * 2.0**-10) * (1 + 1e-6) + math.ulp(1.0) * scales
 
 
 def _assert_round_trip(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

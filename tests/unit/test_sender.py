@@ -125,7 +125,7 @@ def test_bucket_request_rebuilds_the_senders_offsets():
 def test_flattened_metadata_matches_the_buffer():
     named = [pair for u in model_units(2) for pair in u.named()]
     bucket = pack_bucket(named)
-    records = flattened_metadata(bucket)
+    records = flattened_metadata(bucket.entries)
     assert [(r.name, r.start_idx, r.end_idx, r.numel) for r in records] == [
         (e.name, e.start, e.end, e.end - e.start) for e in bucket.entries
     ]
