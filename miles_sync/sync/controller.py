@@ -235,7 +235,7 @@ class SyncController:
         source refuse engines its transport cannot reach. Engines that disagree on the version are stale until the
         first sync. Returns what the source's `connect()` returned (`trainer_ranks`; empty by default)."""
         self._trainer_ranks = tuple(await self._source.connect())
-        for record in await asyncio.gather(*(self._connector.connect(u) for u in self._fleet.urls)):
+        for record in await self._connector.connect_all(self._fleet.urls):
             self._fleet.attach(record)
         records = self._fleet.records
         # e.g. a colocated engine without a trainer rank on its node: refused now, not at the first sync

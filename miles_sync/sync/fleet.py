@@ -215,6 +215,20 @@ class EngineConnector:
             raise
         return EngineRecord(url=url, client=client, tp_size=info.tp_size)
 
+    async def connect_all(self, urls: Sequence[str]) -> list[EngineRecord]:
+        """Every engine at once, in `urls` order. When any fails, the clients of those that connected are closed
+        again; the error is the failed engine's own, or with several one that names each (the first one's is the
+        cause)."""
+        results = await asyncio.gather(*(self.connect(u) for u in urls), return_exceptions=True)
+        failed = [(u, r) for u, r in zip(urls, results) if isinstance(r, BaseException)]
+        if not failed:
+            return list(results)  # type: ignore[arg-type]  # no exception among them
+        await asyncio.gather(*(r.client.close() for r in results if isinstance(r, EngineRecord)))
+        if len(failed) == 1:
+            raise failed[0][1]  # its own error (an EngineError names the engine and the endpoint)
+        named = "; ".join(f"{url}: {exc}" for url, exc in failed)
+        raise RuntimeError(f"{len(failed)} of {len(urls)} engine(s) could not be connected: {named}") from failed[0][1]
+
     async def read_baselines(self, records: Sequence[EngineRecord]) -> None:
         """What the guards compare later syncs with, read from what `records` serve now: draft digests (when drafts
         are guarded: with verification) and canary accept lengths (with the canary). A restarted engine loaded its

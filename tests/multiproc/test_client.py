@@ -8,8 +8,10 @@ control calls.
 from __future__ import annotations
 
 import asyncio
+import gc
 import pickle
 import time
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -354,3 +356,29 @@ def test_control_calls_to_one_engine_are_serialized():
     asyncio.run(main())
     assert in_flight["max_control"] == 1  # one control call at a time: answers carry no operation id
     assert in_flight["max_generate"] > 1  # generation is not serialized behind them
+
+
+def test_a_failed_connect_closes_the_clients_of_the_engines_that_connected(engine):
+    # Kills: EngineConnector.connect_all leaving the connected engines' clients open when another engine fails
+    # (aiohttp reports a session collected unclosed as a ResourceWarning).
+    from miles_sync.sync.draft_canary import CanarySettings
+    from miles_sync.sync.fleet import EngineConnector
+
+    connector = EngineConnector(
+        timeout_s=10.0, endpoints=(), api_key=API_KEY, admin_api_key=None, guards_draft=False, canary=CanarySettings()
+    )
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+
+    def failed_url() -> str:
+        try:
+            asyncio.run(connector.connect_all([engine.url, dead]))
+        except EngineError as exc:
+            return exc.url  # the exception (and the frames it holds) dies here
+        raise AssertionError("connect_all did not fail")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert failed_url() == dead
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if "Unclosed client session" in str(w.message)]
+    assert not unclosed, unclosed
