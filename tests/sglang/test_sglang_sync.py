@@ -105,8 +105,8 @@ def controller(urls, source, *, transport: str = "distributed", gate=None) -> Sy
     )
 
 
-async def engine_checksums(url: str) -> dict[str, str]:
-    async with EngineClient(url, timeout_s=30.0) as client:
+async def engine_checksums(url: str, *, timeout_s: float = 30.0) -> dict[str, str]:
+    async with EngineClient(url, timeout_s=timeout_s) as client:
         result = await client.weights_checker(WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM))
     return dict(result.ranks[0].checksums)
 
@@ -455,7 +455,9 @@ def test_a_server_killed_mid_send_fails_the_sync_and_the_survivor_is_held_then_r
             held, committed = dict(ctl.held_engines), ctl.weight_version
         finally:
             await ctl.close()
-        after = await engine_checksums(survivor)
+        # The survivor's scheduler may still sit in the broken broadcast until its group gives up; its checker answers
+        # after that (waited on, bounded by the session's own limit), never a sleep.
+        after = await engine_checksums(survivor, timeout_s=TIMEOUTS.sync_s)
         paused = await is_paused(survivor)
         recovered = await one_sync([survivor], source, step=7)
         served = await generate(survivor, timeout_s=10.0)
