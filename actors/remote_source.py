@@ -105,7 +105,6 @@ class RemoteTrainerSource(PipelineSource):
         self._ranks: tuple[RankInfo, ...] = ()
         # Until connect() plans the stages: one stage that refuses use (num_stages is 1, as a group name needs).
         self.use_stages([_Unconnected()])
-        self._memberships = ()
 
     @property
     def ranks(self) -> tuple[RankInfo, ...]:

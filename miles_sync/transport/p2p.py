@@ -30,7 +30,6 @@ send in which any rank's channel failed, every rank drops every channel and the 
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -175,15 +174,16 @@ class ChannelSink:
 
     load_format = LOADER_PATH
 
-    def __init__(self, *, role: FeedRole, timeout_s: float) -> None:
+    def __init__(self, *, role: FeedRole, timeout_s: float, device: str) -> None:
         self._role = role
         self._timeout_s = timeout_s
+        self._backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         self._channels: Channels | None = None
         fed = {j for j, _ in role.plan.feeds_of(role.rank)}
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, len(fed))), thread_name_prefix="miles-sync-p2p")
         self._pending: list[Future] = []
 
-    async def connect(self, fan_out: FanOut, *, device: str) -> None:
+    async def connect(self, fan_out: FanOut) -> None:
         """Join the channel store at open (every rank at once): the source starts it on its node's address and
         broadcasts where it listens over the fan-out."""
         store = None
@@ -198,7 +198,7 @@ class ChannelSink:
             address=address,
             store=store,
             timeout_s=self._timeout_s,
-            backend="nccl" if torch.device(device).type == "cuda" else "gloo",
+            backend=self._backend,
             slot=self._role.source_rank,
         )
 
@@ -318,13 +318,7 @@ async def open_p2p_routed_rank(
     to all), then the routed plan from every rank's `holdings`. Raises ValueError, on every rank alike, for an
     engine without a layout or a plan that leaves a slice unheld, before any byte moves."""
     role = routed_role(engines=engines, setup=setup, transport="p2p", feeds="its spread feed plan")
-    sink = ChannelSink(role=role, timeout_s=setup.fan_out_timeout_s)
+    sink = ChannelSink(role=role, timeout_s=setup.fan_out_timeout_s, device=setup.device)
     return await open_routed(
-        role=role,
-        engines=engines,
-        setup=setup,
-        bucket_bytes=bucket_bytes,
-        holdings=holdings,
-        sink=sink,
-        connect_sink=functools.partial(sink.connect, device=setup.device),
+        role=role, engines=engines, setup=setup, bucket_bytes=bucket_bytes, holdings=holdings, sink=sink
     )

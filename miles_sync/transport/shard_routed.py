@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,10 +99,13 @@ class PayloadSink(Protocol):
     """Where a routed delivery's builds go, the one step its transports differ in. `encode` turns a bucket's builds
     (one per engine rank this rank feeds, None where it has nothing in the bucket) into the payloads posted in
     their place; `settle` waits for whatever the payloads set going besides the posts and names each failure;
-    `end_send` runs on every rank after every send, failed or not (it may run collectives over the fan-out);
-    `close` frees what the sink holds. `load_format` is what the posted requests carry."""
+    `connect` runs on every rank once the fan-out is open, before the plan, and `end_send` after every send,
+    failed or not (either may run collectives over the fan-out); `close` frees what the sink holds.
+    `load_format` is what the posted requests carry."""
 
     load_format: LoadFormat | str
+
+    async def connect(self, fan_out: FanOut) -> None: ...
 
     def encode(self, built: Sequence[BuiltRank | None]) -> list[str | None]: ...
 
@@ -117,6 +120,9 @@ class InlineSink:
     """shard_direct's sink: each engine rank's parameters posted inline as its direct payload."""
 
     load_format = LoadFormat.DIRECT
+
+    async def connect(self, fan_out: FanOut) -> None:
+        return None
 
     def encode(self, built: Sequence[BuiltRank | None]) -> list[str | None]:
         return [None if b is None else encode_named_tensors(b.tensors) for b in built]
@@ -176,7 +182,10 @@ class RoutedDelivery:
         self._checksums: dict[Build, dict[str, str]] = {}
         self._sha256: dict[tuple[Build, str], bytes] = {}  # full SHA-256 of each parameter built (SHA-256 engines)
         self.sink = sink
-        self.load_format = sink.load_format
+
+    @property
+    def load_format(self) -> LoadFormat | str:
+        return self.sink.load_format
 
     @property
     def schedule(self) -> RoutedSchedule:
@@ -511,12 +520,11 @@ async def open_routed(
     bucket_bytes: int,
     holdings: Sequence[tuple[str, Holding]],
     sink: PayloadSink,
-    connect_sink: Callable[[FanOut], Awaitable[None]] | None = None,
 ) -> RoutedRank:
     """This rank's side of a routed send into `sink` over `engines`: its fan-out with every trainer rank a member
-    (a collective over the trainer's default group: every rank opens at once), `connect_sink(fan_out)` where the
-    sink sets itself up over the fan-out, then the plan from every rank's `holdings` (a collective over the
-    fan-out). Everything opened is closed again on a failure."""
+    (a collective over the trainer's default group: every rank opens at once), the sink connected over it, then
+    the plan from every rank's `holdings` (a collective over the fan-out). Everything opened is closed again on a
+    failure."""
     delivery = RoutedDelivery(
         role=role,
         layouts=[e.direct for e in engines],
@@ -530,8 +538,7 @@ async def open_routed(
         raise AssertionError(f"rank {role.rank} is not a member of a fan-out of every rank")
     rank = RoutedRank(fan_out=fan_out, delivery=delivery, clients=clients)
     try:
-        if connect_sink is not None:
-            await connect_sink(fan_out)
+        await sink.connect(fan_out)
         await rank.plan(holdings)
     except BaseException:
         await rank.close(timeout_s=setup.fan_out_timeout_s)
