@@ -97,16 +97,9 @@ def reference_moe_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
-def sglang_wheel(tmp_path_factory: pytest.TempPathFactory):
-    """`sglang_wheel(version)`: the released sglang wheel of that version, fetched once per session (or found
-    under the temp directory); the calling test skips, naming why, when no package index is reachable."""
-    from sglang_flags import fetch_sglang_wheel
+def sglang_source():
+    """`sglang_source(version)`: the directory holding SGLang's source at that version, the package the test
+    command installs into .venv-sglang (tests/sglang_source.py); another version or no venv fails the test."""
+    from sglang_source import installed_sglang
 
-    wheels: dict[str, Path] = {}
-
-    def get(version: str) -> Path:
-        if version not in wheels:
-            wheels[version] = fetch_sglang_wheel(version, tmp_path_factory.mktemp(f"sglang-{version}"))
-        return wheels[version]
-
-    return get
+    return installed_sglang

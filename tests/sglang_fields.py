@@ -1,10 +1,10 @@
 """SGLang's `/weights_checker` answer shape, read from SGLang's released source with `ast` (never imported).
 
-    fields = derive_checker_fields(Path("/tmp/sgl/sglang-0.5.23-...whl"))   # or the directory it was unpacked in
+    fields = derive_checker_fields(installed_sglang("0.5.23"))   # or a wheel (tests/sglang_source.py)
     vendored_checker_fields() == fields
 
 The vendored copy (tests/data/sglang_checker_fields.json) is what tests compare answers against; this module
-re-derives it from a wheel so a test can show the copy is still SGLang's. Where SGLang's source has the fields:
+re-derives it from SGLang's source so a test can show the copy is still SGLang's. Where SGLang's source has the fields:
 
 - the JSON body keys: `check_weights` in sglang/srt/entrypoints/http_server.py builds a dict with the keys it
   always sends, then sets the others only when they are not None;
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import ast
 import json
-import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from sglang_source import source_reader
 
 __all__ = [
     "CheckerFields",
@@ -76,7 +77,7 @@ def vendored_checker_fields() -> CheckerFields:
 def derive_checker_fields(source: Path) -> CheckerFields:
     """Parse the fields out of SGLang's source: a wheel, or a directory holding the unpacked `sglang/` package.
     Raises ValueError naming the file and definition that is missing or inconsistent."""
-    read = _reader(source)
+    read = source_reader(source)
     always, optional = _body_keys(ast.parse(read(HTTP_SERVER)))
     io_struct = ast.parse(read(IO_STRUCT))
     checker = ast.parse(read(WEIGHT_CHECKER))
@@ -94,14 +95,6 @@ def derive_checker_fields(source: Path) -> CheckerFields:
         checksum_info=records["ChecksumInfo"],
         parallelism_info=records["ParallelismInfo"],
     )
-
-
-def _reader(source: Path):
-    if source.is_file():
-        wheel = zipfile.ZipFile(source)
-        return lambda path: wheel.read(path).decode()
-    root = source if (source / "sglang").is_dir() else source.parent
-    return lambda path: (root / path).read_text()
 
 
 def _class_fields(module: ast.Module, name: str, path: str) -> tuple[str, ...]:
@@ -211,7 +204,7 @@ def vendored_lora_fields() -> LoraFields:
 def derive_lora_fields(source: Path) -> LoraFields:
     """The adapter records out of SGLang's source (a wheel or an unpacked directory); ValueError naming what is
     missing."""
-    read = _reader(source)
+    read = source_reader(source)
     io_struct = ast.parse(read(IO_STRUCT))
     server = ast.parse(read(HTTP_SERVER))
     routes = {}

@@ -1,11 +1,11 @@
 """SGLang's server command-line flags, read from SGLang's released source with `ast` (never imported).
 
-    flags = derive_server_flags(Path("/tmp/sgl/sglang-0.5.23-...whl"))   # or the directory it was unpacked in
+    flags = derive_server_flags(installed_sglang("0.5.23"))   # or a wheel (tests/sglang_source.py)
     vendored_server_flags() == flags
     parse_server_args(flags, ["--model-path", "m", "--tp-size", "2"]) == {"model_path": "m", "tp_size": 2}
 
 The vendored copy (tests/data/sglang_server_flags.json) is what tests parse our command lines with; this module
-re-derives it from a wheel so a test can show the copy is still SGLang's. SGLang 0.5.23 builds its parser
+re-derives it from SGLang's source so a test can show the copy is still SGLang's. SGLang 0.5.23 builds its parser
 (`ServerArgs.add_cli_args` in sglang/srt/server_args.py) in two parts, read here the way it runs:
 
 - `add_cli_args_from_dataclass` (sglang/srt/arg_groups/arg_utils.py) registers one option per field, declared
@@ -24,16 +24,12 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import subprocess
-import sys
-import tempfile
-import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
+from sglang_source import source_reader
 
 __all__ = [
     "SERVER_FLAGS_PATH",
@@ -41,14 +37,12 @@ __all__ = [
     "ServerFlag",
     "ServerFlags",
     "derive_server_flags",
-    "fetch_sglang_wheel",
     "parse_server_args",
     "server_parser",
     "vendored_server_flags",
 ]
 
 SERVER_FLAGS_PATH = Path(__file__).parent / "data" / "sglang_server_flags.json"
-DOWNLOAD_TIMEOUT_S = 90
 
 SERVER_ARGS = "sglang/srt/server_args.py"
 VERSION = "sglang/_version.py"
@@ -95,43 +89,6 @@ class ServerFlags:
             choices = fields.pop("choices", None)
             flags[option] = ServerFlag(choices=None if choices is None else tuple(choices), **fields)
         return cls(sglang_version=raw["sglang_version"], flags=flags)
-
-
-def fetch_sglang_wheel(version: str, into: Path) -> Path:
-    """A wheel of sglang==`version`: one already under the temp directory, else `pip download`ed into `into`
-    with a short timeout; the calling test skips, naming why, when neither works (no index reachable)."""
-    pattern = f"sglang-{version}-*.whl"
-    temp = Path(tempfile.gettempdir())
-    found = sorted(temp.glob(pattern)) + sorted(temp.glob(f"*/{pattern}"))
-    if found:
-        return found[0]
-    # The wheel's source is the same on every platform; pinning the tags lets any interpreter fetch the same file.
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        f"sglang=={version}",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--platform=manylinux_2_34_x86_64",
-        "--python-version=3.11",
-        "--implementation=cp",
-        "--timeout=10",
-        "--retries=0",
-        "--disable-pip-version-check",
-        "--quiet",
-        f"--dest={into}",
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip download sglang=={version} took over {DOWNLOAD_TIMEOUT_S} s; the vendored copy stands")
-    wheels = sorted(into.glob(pattern))
-    if done.returncode != 0 or not wheels:
-        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"cannot fetch sglang=={version} (pip exit {done.returncode}: {reason}); the vendored copy stands")
-    return wheels[0]
 
 
 class ServerArgsError(ValueError):
@@ -190,7 +147,7 @@ def vendored_server_flags() -> ServerFlags:
 def derive_server_flags(source: Path) -> ServerFlags:
     """Parse the server's flags out of SGLang's source (a wheel, or a directory holding the unpacked `sglang/`).
     Raises ValueError naming the file and definition it cannot read: a flag is never silently left out."""
-    modules = _Modules(_source_reader(source))
+    modules = _Modules(source_reader(source))
     server_args = modules.tree(SERVER_ARGS)
     flags: dict[str, ServerFlag] = {}
     for module, name in _namespaces(server_args, modules):
@@ -483,16 +440,6 @@ def _argument_flags(call: ast.Call, *, modules: _Modules) -> dict[str, ServerFla
         is_required=_literal(kwargs.get("required"), SERVER_ARGS, modules) is True,
     )
     return dict.fromkeys(options, flag)
-
-
-def _source_reader(source: Path) -> Callable[[str], str]:
-    """Text of a file of SGLang's source by its path in the package (`sglang/...`): from a wheel, or from a
-    directory holding the unpacked `sglang/` (or that directory itself)."""
-    if source.is_file():
-        wheel = zipfile.ZipFile(source)
-        return lambda path: wheel.read(path).decode()
-    root = source if (source / "sglang").is_dir() else source.parent
-    return lambda path: (root / path).read_text()
 
 
 def _version(module: ast.Module, modules: _Modules) -> str:

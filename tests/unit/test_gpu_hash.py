@@ -97,16 +97,18 @@ def test_only_the_bytes_count():
     assert sglang_gpu_digest(three) != sglang_gpu_digest(torch.tensor([1, 2, 3, 0, 0, 0, 0, 0], dtype=torch.uint8))
 
 
-def test_the_constants_are_the_released_wheels(sglang_wheel):
-    """Re-derived from the sglang 0.5.23 wheel: the kernel's constants and launch defaults, CUDA tensors routed to
-    it by tensor_hash, and the checker's 16-hex format. A new SGLang that changes any of them fails here."""
+def test_the_constants_are_the_released_sglangs(sglang_source):
+    """Re-derived from sglang 0.5.23's source (.venv-sglang): the kernel's constants and launch defaults, CUDA
+    tensors routed to it by tensor_hash, and the checker's 16-hex format. A new SGLang that changes any of them
+    fails here."""
     import re
-    import zipfile
 
-    with zipfile.ZipFile(sglang_wheel("0.5.23")) as wheel:
-        kernel = wheel.read("sglang/kernels/ops/memory/gpu_tensor_hash.py").decode()
-        mm_utils = wheel.read("sglang/srt/managers/mm_utils.py").decode()
-        checker = wheel.read("sglang/srt/utils/weight_checker.py").decode()
+    from sglang_source import source_reader
+
+    read = source_reader(sglang_source("0.5.23"))
+    kernel = read("sglang/kernels/ops/memory/gpu_tensor_hash.py")
+    mm_utils = read("sglang/srt/managers/mm_utils.py")
+    checker = read("sglang/srt/utils/weight_checker.py")
 
     def constant(name: str) -> int:
         return int(re.search(rf"^{name} = (0x[0-9A-Fa-f]+)$", kernel, re.M).group(1), 16)

@@ -1,8 +1,8 @@
 """The vendored SGLang `/weights_checker` field lists: still SGLang's, and exactly what our wire records carry.
 
-The copy (tests/data/sglang_checker_fields.json) is re-derived from the SGLang wheel it names (the `sglang_wheel`
-fixture: one already under the temp directory, else `pip download` with a short timeout, once per session; the only
-test here that reaches out skips, naming why, when the index cannot be reached). The other tests use the copy.
+The copy (tests/data/sglang_checker_fields.json) is re-derived from the source of the SGLang version it names (the
+`sglang_source` fixture: the package the test command installs into .venv-sglang, read, never imported). The other
+tests use the copy.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def vendored() -> CheckerFields:
     return vendored_checker_fields()
 
 
-def test_the_vendored_copy_is_what_the_sglang_wheel_declares(vendored, sglang_wheel):
-    wheel = sglang_wheel(vendored.sglang_version)
-    assert derive_checker_fields(wheel) == vendored, f"re-derive tests/data from {wheel}"
+def test_the_vendored_copy_is_what_sglangs_source_declares(vendored, sglang_source):
+    source = sglang_source(vendored.sglang_version)
+    assert derive_checker_fields(source) == vendored, f"re-derive tests/data from {source}"
 
 
 def test_the_handler_body_is_the_scheduler_output_with_ranks_and_the_engine_hash(vendored):

@@ -274,12 +274,12 @@ def test_an_sglang_config_with_an_unlaunchable_draft_fails_at_load():
     )
 
 
-def test_the_vendored_flags_are_what_the_sglang_wheel_declares(flags, sglang_wheel):
-    wheel = sglang_wheel(flags.sglang_version)
-    derived = derive_server_flags(wheel)
+def test_the_vendored_flags_are_what_sglangs_source_declares(flags, sglang_source):
+    source = sglang_source(flags.sglang_version)
+    derived = derive_server_flags(source)
     assert derived.sglang_version == flags.sglang_version
     changed = sorted(o for o in derived.flags.keys() | flags.flags.keys() if derived.flags.get(o) != flags.flags.get(o))
-    assert not changed, f"re-derive tests/data/sglang_server_flags.json from {wheel}; changed: {changed[:20]}"
+    assert not changed, f"re-derive tests/data/sglang_server_flags.json from {source}; changed: {changed[:20]}"
 
 
 @pytest.mark.parametrize(

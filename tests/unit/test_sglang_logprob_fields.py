@@ -5,8 +5,8 @@ Where SGLang 0.5.23's source has them: `GenerateReqInput` in sglang/srt/managers
 fields (all but `return_text_in_logprobs` default to None there) and its single-request normalization sets
 `if self.<field> is None: self.<field> = <default>`; `TokenizerManager.add_logprob_to_meta_info` in
 sglang/srt/managers/tokenizer_manager.py sets the meta_info keys unconditionally at its top level. The source is
-read with `ast` from the released wheel (tests/sglang_flags.fetch_sglang_wheel: `pip download`ed once per session,
-never installed or imported); the derivation test skips, naming why, where no package index is reachable.
+read with `ast` from the package the test command installs into .venv-sglang (the `sglang_source` fixture; never
+imported).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import zipfile
 from pathlib import Path
+
+from sglang_source import source_reader
 
 from miles_sync.wire.protocol import GenerateMetaInfo, GenerateRequest, encode
 
@@ -32,11 +33,6 @@ def test_generate_request_carries_sglangs_logprob_fields_and_defaults() -> None:
 def test_meta_info_carries_sglangs_logprob_keys() -> None:
     names = {f.name for f in dataclasses.fields(GenerateMetaInfo)}
     assert set(VENDORED["meta_info_logprob_keys"]) <= names
-
-
-def _source_reader(wheel: Path):
-    archive = zipfile.ZipFile(wheel)
-    return lambda path: archive.read(path).decode()
 
 
 def _is_self_attr(node: ast.AST, name: str | None = None) -> bool:
@@ -89,8 +85,8 @@ def _meta_info_keys(module: ast.Module) -> list[str]:
     ]
 
 
-def test_vendored_fields_are_sglangs(sglang_wheel) -> None:
-    read = _source_reader(sglang_wheel(VENDORED["sglang_version"]))
+def test_vendored_fields_are_sglangs(sglang_source) -> None:
+    read = source_reader(sglang_source(VENDORED["sglang_version"]))
     defaults = _request_defaults(ast.parse(read(IO_STRUCT)))
     assert {name: defaults[name] for name in VENDORED["generate_req_input"]} == VENDORED["generate_req_input"]
     assert _meta_info_keys(ast.parse(read(TOKENIZER_MANAGER))) == VENDORED["meta_info_logprob_keys"]

@@ -1,8 +1,8 @@
 """The vendored SGLang adapter records (tests/data/sglang_lora_fields.json): still SGLang's, and field for field what
 our wire records carry.
 
-The copy is re-derived from the released sglang wheel it names (the `sglang_wheel` fixture: fetched once per session,
-never installed or imported); that test skips, naming why, only where no package index is reachable.
+The copy is re-derived from the source of the sglang version it names (the `sglang_source` fixture: the package the
+test command installs into .venv-sglang, read, never imported).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def vendored() -> LoraFields:
     return vendored_lora_fields()
 
 
-def test_the_vendored_copy_is_what_the_sglang_wheel_declares(vendored, sglang_wheel):
-    wheel = sglang_wheel(vendored.sglang_version)
-    assert derive_lora_fields(wheel) == vendored, f"re-derive tests/data/sglang_lora_fields.json from {wheel}"
+def test_the_vendored_copy_is_what_sglangs_source_declares(vendored, sglang_source):
+    source = sglang_source(vendored.sglang_version)
+    assert derive_lora_fields(source) == vendored, f"re-derive tests/data/sglang_lora_fields.json from {source}"
 
 
 def test_our_records_have_sglangs_fields_in_sglangs_order(vendored):
