@@ -117,10 +117,21 @@ def test_version_pause_continue_and_generate(engine):
     assert response.meta_info.weight_version == "client-test-1" and response.meta_info.completion_tokens == 4
 
 
+def wait_until_running(server, *, timeout_s: float = 30.0) -> None:
+    """Until the engine's scheduler runs a request (its /get_server_info internal state says so)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, info = server.get("/get_server_info")
+        if status == 200 and info["internal_states"][0]["num_running"] >= 1:
+            return
+        assert time.monotonic() < deadline, f"no request running after {timeout_s} s: {info}"
+        time.sleep(0.01)
+
+
 def test_flush_cache_retries_only_while_requests_drain(engine):
     async def flush_while_generating(client, *, abort_after_s: float):
         running = asyncio.create_task(client.generate(greedy(2000)))  # far longer than this test waits
-        await asyncio.sleep(0.3)  # the request is running now
+        await asyncio.to_thread(wait_until_running, engine)
 
         async def abort_later():
             # What a session does before flushing: pause with abort drains the running request.

@@ -252,7 +252,8 @@ def test_forward_steps_hold_the_weights_lock(reference_checkpoints: Path) -> Non
     try:
         with target.weights_lock:
             future = scheduler.submit(_greedy((4, 5), 3))
-            time.sleep(0.2)
+            _wait_until(lambda: scheduler.num_running == 1)  # admitted: its first step now waits on the lock
+            time.sleep(0.2)  # a window for a step that ignored the lock to finish the 3 tokens
             assert not future.done() and scheduler.num_running == 1
         assert future.result(timeout=TIMEOUT_S).meta_info.completion_tokens == 3
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -129,10 +130,20 @@ def test_hold_releases_in_finally_on_error_and_on_cancellation():
 
 
 def test_hold_renews_in_the_background():
+    """The manual clock moves 2/3 of a TTL at a time, 4 times (2.7 TTLs in all); after each move the test waits
+    (on the lease's state, real time bounded) for the renewer to extend the grant to a full TTL from the new now.
+    Without background renewal the first wait times out, and by the second move the grant would have lapsed."""
+
     async def main():
-        lease = SyncLease(ttl_s=0.3)
+        clock = ManualClock()
+        lease = SyncLease(ttl_s=0.3, clock=clock)  # the renewer ticks every 0.1 real seconds
         async with lease.hold("long-sync", timeout_s=1.0) as held:
-            await asyncio.sleep(0.75)  # 2.5 TTLs: only background renewal keeps it
+            for _ in range(4):
+                clock.now += 0.2
+                deadline = time.monotonic() + 5.0
+                while lease.current().expires_at != clock.now + 0.3:
+                    assert time.monotonic() < deadline, "the hold did not renew its lease"
+                    await asyncio.sleep(0.01)
             assert lease.try_acquire("other") is None
             held.check()
         assert lease.current() is None

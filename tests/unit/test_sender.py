@@ -273,15 +273,20 @@ def test_checksum_problems_per_rank_and_empty_report():
 # ---- the sender's pipeline through an in-process transport -----------------------------------------------------
 
 
+PACKED_AHEAD_S = 30.0  # a bound, not a window: a sender that packs ahead signals within milliseconds
+
+
 class RecordingTransport:
     """Registered under a test name: records each bucket and checks its buffer is untouched while in flight.
 
-    `hold_until(i)` makes bucket i wait in flight until the sender signals that bucket i+1 has been packed, which
-    only a sender that packs ahead can do; `fail_at` fails one bucket.
+    Each of the first `held_buckets` buckets (class-wide; 0: none) waits in flight until the test signals that
+    the next bucket has been packed, which only a sender that packs ahead can do (`overlapped` records whether the
+    signal came within PACKED_AHEAD_S); `fail_at` fails one bucket.
     """
 
     name = "recording"
     instances: list[RecordingTransport] = []
+    held_buckets = 0
 
     def __init__(self, *, engines, fail_at: int | None = None) -> None:
         self.engines = engines
@@ -304,9 +309,9 @@ class RecordingTransport:
         )
         if index == self.fail_at:
             raise TransportError(f"bucket {index} refused")
-        # Stay in flight until the next bucket is packed (or give up: the last bucket has no next one).
-        self.overlapped.append(await asyncio.to_thread(self.packed_ahead.wait, 0.5))
-        self.packed_ahead.clear()
+        if index < self.held_buckets:  # stay in flight until the next bucket is packed
+            self.overlapped.append(await asyncio.to_thread(self.packed_ahead.wait, PACKED_AHEAD_S))
+            self.packed_ahead.clear()
         assert torch.equal(before, bucket.buffer), f"bucket {index} was overwritten while in flight"
 
     async def close(self, *, timeout_s):
@@ -316,6 +321,7 @@ class RecordingTransport:
 @pytest.fixture
 def recording(monkeypatch):
     RecordingTransport.instances.clear()
+    monkeypatch.setattr(RecordingTransport, "held_buckets", 0)
     monkeypatch.setitem(
         TRANSPORTS,
         "recording",
@@ -358,6 +364,8 @@ def test_sender_packs_ahead_and_reports_exact_checksums(recording):
         if index is not None and index >= 2 and recording.instances:
             recording.instances[0].packed_ahead.set()
 
+    # Bucket i's signal comes when bucket i+2's first unit is pulled: the last two buckets have none to wait for.
+    recording.held_buckets = len(plans) - 2
     sender = make_sender(units, on_pull=on_pull, bucket_bytes=160)
     progress = []
 
@@ -370,7 +378,7 @@ def test_sender_packs_ahead_and_reports_exact_checksums(recording):
     result = asyncio.run(main())
     transport = recording.instances[0]
     assert result.num_buckets == len(plans) >= 4
-    assert all(transport.overlapped[: len(plans) - 2]), transport.overlapped
+    assert transport.overlapped == [True] * (len(plans) - 2), transport.overlapped
     # Two buffers, alternating: even and odd buckets never share one; each slot grows at most once here (the
     # buckets are within 2x of each other), so it is reused from then on.
     even, odd = set(transport.buffer_ptrs[0::2]), set(transport.buffer_ptrs[1::2])
