@@ -26,6 +26,22 @@ for _name, _value in socket_interface_env(LOOPBACK_HOST).items():  # gloo/NCCL i
 os.environ.setdefault("MASTER_ADDR", LOOPBACK_HOST)
 
 
+@pytest.fixture(autouse=True)
+def no_weights_are_reset(request: pytest.FixtureRequest):
+    """No test's requests through a recording proxy (tests/recording_proxy.py) ask an engine's weights checker to
+    reset_tensors, failure drills included; modules marked `allows_reset_tensors` are exempt."""
+    import sys
+
+    proxies = sys.modules.get("recording_proxy")
+    already = 0 if proxies is None else len(proxies.RESET_REQUESTS)
+    yield
+    proxies = sys.modules.get("recording_proxy")
+    if proxies is None or request.node.get_closest_marker("allows_reset_tensors") is not None:
+        return
+    resets = proxies.RESET_REQUESTS[already:]
+    assert not resets, f"reset_tensors was sent through a recording proxy: {[(u, r.path) for u, r in resets]}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).parts

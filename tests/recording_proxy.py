@@ -2,7 +2,11 @@
 
     with recording_proxy(engine.url) as proxy:   # proxy.url speaks for the engine
         ...
-    assert not proxy.requests_with(action="reset_tensors")
+    assert proxy.posts("/update_weights_from_tensor")
+
+Any request through any proxy that asks a weights checker to reset_tensors (on SGLang: random values in every
+parameter, and the server keeps serving) fails the test it arrived in (tests/conftest.py), except in a module marked
+`allows_reset_tensors` (the opt-in mechanism check's).
 
 It forwards every request (method, path, query, headers, body) to the upstream server unchanged and records the
 method, path and JSON body; answers come back unchanged. It runs on a thread of its own with its own event loop.
@@ -41,6 +45,9 @@ import aiohttp
 from aiohttp import web
 
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+# Every request any proxy of this process forwarded that asked a weights checker to reset_tensors, as (upstream,
+# record): tests/conftest.py fails the test during which one arrived, unless its module allows it.
+RESET_REQUESTS: list[tuple[str, Recorded]] = []
 
 
 # torch's file_system strategy names a CPU shared-memory segment "/torch_<creator pid>_<random>_<counter>".
@@ -144,6 +151,8 @@ class RecordingProxy:
             )
         record = Recorded(request.method, request.path, body, time.monotonic(), client_pid)
         self.requests.append(record)
+        if isinstance(body, dict) and body.get("action") == "reset_tensors":
+            RESET_REQUESTS.append((self.upstream, record))
         for path, matches, seconds in tuple(self.delays):
             if request.path == path and isinstance(body, dict) and matches(body):
                 await asyncio.sleep(seconds)

@@ -40,8 +40,9 @@ from miles_sync.wire.protocol import (
     WeightsCheckerRequest,
 )
 
-# Slow: four fleets of real engines (about 70 s here); the full run keeps them, the quick loop skips them.
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+# Slow: four fleets of real engines (about 70 s here); the full run keeps them, the quick loop skips them. The
+# only module whose requests may ask for reset_tensors (the check's own step; tests/conftest.py fails any other).
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.allows_reset_tensors]
 
 BUCKET_BYTES = 256 * 1024
 COLLECTIVE_TIMEOUT_S = 15.0
