@@ -110,8 +110,10 @@ def test_routed_counts_parse_the_routers_per_worker_outcomes():
 def test_a_held_engine_gets_no_routed_request_and_rejoins_after_a_verified_sync(
     router, reference_checkpoints, source, tmp_path
 ):
-    """Two engines behind the router. The second dies (SIGKILL) before a sync: the sync fails, the dead engine is
-    held and withdrawn before the survivor resumes, and the next 20 routed requests all reach the survivor. The
+    """Two engines behind the router. The second dies (SIGKILL) before a sync: the sync fails at the pause, the dead
+    engine is held and withdrawn, and the next 20 routed requests all reach the survivor (the order of a withdrawal
+    and the others' resume is shown on real servers, where a live engine is held by its verification:
+    tests/sglang/test_sglang_load.py). The
     engine restarts at the same URL (the checkpoint's weights, not the fleet's): it stays out of the router until
     the next sync verifies on it, then takes requests again, at the fleet's version."""
     client = router
