@@ -119,6 +119,8 @@ def test_unknown_key_names_its_path_and_the_allowed_keys(override, expected):
         ("sync.transport=udp", "sync.transport: 'udp' is not one of 'distributed', 'colocated'"),
         ("sync.transport=COLOCATED", "sync.transport: 'COLOCATED' is not one of 'distributed', 'colocated'"),
         ("engines.kind=vllm", "engines.kind: 'vllm' is not one of 'reference', 'sglang'"),
+        ("sync.transport=carrier_pigeon", "sync.transport: 'carrier_pigeon' is not one of 'distributed'"),
+        ("engines.finalize_policy=loose", "engines.finalize_policy: 'loose' is not one of"),
         ("sync.selector=both", "sync.selector: 'both' is not one of 'auto', 'target', 'draft', 'all'"),
     ],
 )
