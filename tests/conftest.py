@@ -26,6 +26,18 @@ for _name, _value in socket_interface_env(LOOPBACK_HOST).items():  # gloo/NCCL i
 os.environ.setdefault("MASTER_ADDR", LOOPBACK_HOST)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op torch thread for the test (modules running small models in this process use it): batches of a
+    few hundred tokens gain nothing from a second thread, which only contends on a shared 2-core machine."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(autouse=True)
 def no_weights_are_reset(request: pytest.FixtureRequest):
     """No test's requests through a recording proxy (tests/recording_proxy.py) ask an engine's weights checker to

@@ -28,6 +28,8 @@ from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.api import ServerInfo
 from miles_sync.wire.protocol import ChecksumNames, Role, WeightsCheckerAction, WeightsCheckerRequest
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 SPEC = Fp8Block(block=(32, 32))
 IDS = torch.tensor([[1, 5, 9, 30, 2, 17, 40]])
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -36,14 +38,6 @@ Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 @pytest.fixture(scope="module")
 def fp8_dir(reference_checkpoints: Path) -> Path:
     return fp8_checkpoint(reference_checkpoints / "target", SPEC)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_the_fp8_checkpoint_quantizes_exactly_the_linear_weights(reference_checkpoints: Path, fp8_dir: Path):

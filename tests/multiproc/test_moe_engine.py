@@ -43,6 +43,8 @@ from miles_sync.wire.protocol import (
     WeightsCheckerRequest,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 LANGUAGE = LanguageRecipe()
 TIMEOUT_S = 60.0
 PROMPTS = [(3, 100, 7), (250,), (1, 2, 3, 4, 5, 6, 7, 8, 9), (17, 200, 31, 9, 128)]
@@ -52,14 +54,6 @@ W13 = "model.layers.0.mlp.experts.w13_weight"
 @pytest.fixture(scope="session")
 def moe_target(reference_moe_checkpoint) -> Path:
     return reference_moe_checkpoint
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _greedy(prompt, max_new_tokens: int) -> GenerateRequest:

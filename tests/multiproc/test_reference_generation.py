@@ -20,17 +20,10 @@ from miles_sync.engine.reference.speculative import DraftInput, NgramProposer, a
 from miles_sync.weights.layout import WeightLayout
 from miles_sync.wire.protocol import FinishReasonKind, GenerateRequest, GenerateResponse, PauseMode, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 LANGUAGE = LanguageRecipe()
 TIMEOUT_S = 60.0
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Batches here are a few hundred tokens: a second intra-op thread only adds contention on a shared machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _greedy(prompt, max_new_tokens: int = 16) -> GenerateRequest:

@@ -24,6 +24,8 @@ from miles_sync.engine.reference.scheduler import Scheduler
 from miles_sync.engine.rollout import generate_samples
 from miles_sync.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 TIMEOUT_S = 60.0
 TOLERANCE = 1e-5
 PROMPTS = [(3, 100, 7), (250,), (1, 2, 3, 4, 5, 6, 7, 8, 9), (17, 200, 31, 9, 128)]
@@ -36,14 +38,6 @@ SAMPLINGS = {
 }
 # SGLang's meta_info keys for a return_logprob request (srt/managers/tokenizer_manager.py:2868-2870).
 LOGPROB_KEYS = {"input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

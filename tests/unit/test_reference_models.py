@@ -20,6 +20,8 @@ from miles_sync.engine.reference.checkpoints import (
 from miles_sync.engine.reference.models import CausalLM, MTPHead, causal_mask, model_family, read_config
 from miles_sync.engine.reference.runner import load_mtp_runner, load_target_runner
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 _SMALL = dict(
     vocab_size=64,
     hidden_size=32,
@@ -30,14 +32,6 @@ _SMALL = dict(
     head_dim=16,
     tie_word_embeddings=False,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _tiny_recipe(seed: int = 0) -> CheckpointRecipe:

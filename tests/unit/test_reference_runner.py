@@ -20,13 +20,7 @@ from miles_sync.weights.layout import WeightLayout, shuffle_weight
 from miles_sync.wire.bucket import TensorMeta
 from miles_sync.wire.protocol import Role
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
