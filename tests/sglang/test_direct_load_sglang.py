@@ -1,6 +1,7 @@
 """Differential: `update_weights_from_tensor` with `load_format: "direct"` sent alike to a real SGLang 0.5.23 CPU
-server and to a reference engine, at TP=1 and TP=2 (one pair at a time, module-scoped, stopped when its TP size is
-done). Each case compares the answers' status and success and every rank's checker digests.
+server and to a reference engine, at TP=2 then TP=1 (one pair at a time, module-scoped; the real server from the
+tier's pool, the reference engine stopped when its TP size is done). Each case compares the answers' status and
+success and every rank's checker digests.
 
 What SGLang 0.5.23 does, measured on this machine (CPU, float32 target checkpoint, selector "target" sessions):
 - payload i is decoded by TP rank i only; `_model_load_weights_direct` copies each (engine name, local tensor) into
@@ -32,6 +33,7 @@ import contextlib
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -49,9 +51,12 @@ DOWN = "model.layers.0.mlp.down_proj.weight"
 CRASH_WAIT_S = 30.0  # SGLang sleeps 5 s for crash diagnostics before it kills its process tree
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def servers(request, reference_checkpoints, sglang_python, tmp_path_factory):
-    """{"sglang": url, "reference": url} plus the processes, for one TP size."""
+# TP=2 first: its real server is the pooled one test_sglang_tp2.py ran on (this module's last TP=2 test kills it).
+@pytest.fixture(scope="module", params=[2, 1], ids=["tp2", "tp1"])
+def servers(request, reference_checkpoints, server_pool, target_tp2_kind, tmp_path_factory):
+    """{"sglang": url, "reference": url} plus the processes, for one TP size: at TP=2 the real server from the
+    tier's pool, at TP=1 one of its own, started while its reference engine starts. The last test of each TP size
+    kills both."""
     tp_size = request.param
     target = reference_checkpoints / "target"
     log_dir = tmp_path_factory.mktemp(f"direct-tp{tp_size}")
@@ -59,18 +64,18 @@ def servers(request, reference_checkpoints, sglang_python, tmp_path_factory):
     names = {"checksum_names": "engine", "extra_args": hook}
     if tp_size > 1:
         names = {"extra_args": [*hook, "--tp-size", str(tp_size)]}
-    with contextlib.ExitStack() as stack:
-        real, ref = enter_together(
-            stack,
-            sglang_server(
-                model=target,
-                python=sglang_python,
-                log_dir=log_dir,
-                tp_size=tp_size,
-                custom_weight_loaders=(LOADER_PATH,),
-            ),
-            reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names),
-        )
+    reference = reference_server(model=target, log_dir=log_dir, finalize_policy="sglang", **names)
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(max_workers=1) as starting:
+        if tp_size == 2:
+            pooled = starting.submit(server_pool.get, target_tp2_kind, 1)
+            ref = stack.enter_context(reference)
+            (real,) = pooled.result()
+        else:
+            server_pool.release()  # the pooled TP=2 server is dead by now; no pooled server runs beside this one
+            own = sglang_server(
+                model=target, python=server_pool.python, log_dir=log_dir, custom_weight_loaders=(LOADER_PATH,)
+            )
+            real, ref = enter_together(stack, own, reference)
         yield {"tp_size": tp_size, "sglang": real, "reference": ref}
 
 

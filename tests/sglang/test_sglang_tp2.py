@@ -11,7 +11,6 @@ import asyncio
 import pytest
 from routed_rounds import routed_rounds
 from sender_host import SenderSettings, exported_names, load_checkpoint
-from sglang_server import sglang_server
 
 from miles_sync.engine.client import EngineClient
 from miles_sync.export.registry import ConversionMode
@@ -20,7 +19,6 @@ from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.transport.base import TransportKind
 from miles_sync.transport.feeds import Device, plan_feeds
-from miles_sync.transport.p2p_loader import LOADER_PATH
 from miles_sync.wire.protocol import PauseMode, WeightsCheckerAction, WeightsCheckerRequest
 
 TIMEOUTS = SessionTimeouts(control_s=30.0, sync_s=120.0)
@@ -30,13 +28,10 @@ NO_DRAFT = SelectorInputs(
 
 
 @pytest.fixture(scope="module")
-def server(reference_checkpoints, sglang_python, tmp_path_factory):
-    model = reference_checkpoints / "target"
-    log_dir = tmp_path_factory.mktemp("tp2")
-    with sglang_server(
-        model=model, python=sglang_python, log_dir=log_dir, tp_size=2, custom_weight_loaders=(LOADER_PATH,)
-    ) as s:
-        yield s
+def server(server_pool, target_tp2_kind):
+    """The TP=2 real server from the tier's pool (test_direct_load_sglang.py runs on it next)."""
+    (launcher,) = server_pool.get(target_tp2_kind, 1)
+    return launcher
 
 
 @pytest.mark.parametrize("transport", ["distributed", "colocated", "shard_direct"])
