@@ -1,6 +1,7 @@
 """Differential conformance: the same requests to a real SGLang 0.5.23 CPU server and to the reference engine, both
 serving the reference target checkpoint; each case compares the HTTP status and the answer's shape (keys, value
-types, list vs object, recursively), never values.
+types, list vs object and list lengths, recursively). Values are compared where both must compute the same: the
+greedy tokens and their log-probs on the same weights.
 
 The reference engine runs with the SGLang finalize policy and engine checksum names, the settings under which it
 claims SGLang's behaviour. Where it differs on purpose, the difference is listed in INTENTIONAL with its reason and
@@ -86,6 +87,9 @@ INTENTIONAL = {
         for key in ("num_running", "num_waiting", "last_failure", "engine_failure", "tp_rank_pids", "is_paused")
     },
 }
+
+# (case or "*", path) -> why one side may answer null where the other answers a value (same shape, other value).
+NULLABLE: dict[tuple[str, str], str] = {}
 
 
 class Pair:
@@ -283,14 +287,17 @@ def _kind(value: Any) -> str:
 def shape_differences(sglang: Any, reference: Any, *, case: str, path: str = "$") -> list[str]:
     """Every place where the two answers differ in shape, as "path: what"; empty when they have the same shape.
 
-    Lists compare item by item over the shorter one (SGLang's lists are records or [logprob, id, text] triples,
-    so position matters). null matches any kind: an optional value is null by value on one side, not by shape.
+    Lists must be as long on both sides and compare item by item (SGLang's lists are records or [logprob, id,
+    text] triples, so position matters). A null matches only a null, except where NULLABLE says why one side's
+    value is null by value.
     """
-    if sglang is None or reference is None:
+    if (sglang is None) != (reference is None) and _is_listed(NULLABLE, case, path):
         return []
     if _kind(sglang) != _kind(reference):
         return [f"{path}: SGLang {_kind(sglang)} {_clip(sglang)}, reference {_kind(reference)} {_clip(reference)}"]
     if isinstance(sglang, list):
+        if len(sglang) != len(reference):
+            return [f"{path}: SGLang {len(sglang)} items, reference {len(reference)}"]
         pairs = zip(sglang, reference)
         return sorted({d for s, r in pairs for d in shape_differences(s, r, case=case, path=f"{path}[]")})
     if not isinstance(sglang, dict):
@@ -327,7 +334,11 @@ def _server_info_slice(sglang: dict, reference: dict) -> tuple[dict, dict]:
 
 
 def _is_intentional(case: str, where: str) -> bool:
-    return (case, where) in INTENTIONAL or ("*", where) in INTENTIONAL
+    return _is_listed(INTENTIONAL, case, where)
+
+
+def _is_listed(listing: dict[tuple[str, str], str], case: str, where: str) -> bool:
+    return (case, where) in listing or ("*", where) in listing
 
 
 def _clip(value: Any, limit: int = 80) -> str:
@@ -375,3 +386,36 @@ def test_same_status_and_shape(pair: Pair, case: str) -> None:
 def test_intentional_differences_name_real_cases() -> None:
     unknown = sorted({case for case, _ in INTENTIONAL} - {"*", *CASES})
     assert not unknown, f"INTENTIONAL names cases that do not exist: {unknown}"
+
+
+VALUE_PROMPTS = [[3, 100, 7], [11, 12, 13, 14, 15, 16, 17, 18], [250, 4, 90, 33, 2]]
+GREEDY_TOKENS = 12
+LOGPROB_BOUND = 1e-4  # |SGLang - reference| per token (float32 on both; the measured gap is printed)
+
+
+def test_same_greedy_tokens_and_logprobs_on_the_same_weights(pair: Pair) -> None:
+    """Both serve the checkpoint (every case above leaves its values: the updates send the checkpoint's own
+    tensor): the same prompts, greedy, give the same tokens, and each token's log-prob agrees within
+    LOGPROB_BOUND, prompt and output alike."""
+    worst = 0.0
+    for prompt in VALUE_PROMPTS:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": GREEDY_TOKENS, "temperature": 0.0},
+            "return_logprob": True,
+        }
+        answers = []
+        for server in (pair.sglang, pair.reference):
+            status, answer = server.post("/generate", body)
+            assert status == 200, answer
+            answers.append(answer)
+        sglang, reference = answers
+        assert sglang["output_ids"] == reference["output_ids"] and len(sglang["output_ids"]) == GREEDY_TOKENS
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            ours, theirs = reference["meta_info"][key], sglang["meta_info"][key]
+            assert [entry[1] for entry in ours] == [entry[1] for entry in theirs], key  # the same token ids
+            pairs = [(a[0], b[0]) for a, b in zip(ours, theirs) if a[0] is not None or b[0] is not None]
+            assert all(a is not None and b is not None for a, b in pairs), (key, ours, theirs)
+            worst = max([worst, *(abs(a - b) for a, b in pairs)])
+    print(f"max |SGLang - reference| log-prob: {worst:.2e}")
+    assert worst <= LOGPROB_BOUND

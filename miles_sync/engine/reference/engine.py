@@ -33,11 +33,13 @@ when requests are running or (unless paused) waiting, as SGLang's does; the weig
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from miles_sync.engine.reference.backend import (
@@ -232,7 +234,17 @@ class ReferenceEngine:
         return DraftReport(kind=self._draft_kind, owned_names=owned, is_frozen=self._draft_is_frozen)
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(model_path=self._model_path, weight_version=self.weight_version)
+        # As SGLang answers: the tokenizer at the model path (its --tokenizer-path default) and the checkpoint's
+        # config.json model_type and architectures.
+        config = _checkpoint_config(self._model_path)
+        architectures = config.get("architectures")
+        return ModelInfo(
+            model_path=self._model_path,
+            weight_version=self.weight_version,
+            tokenizer_path=self._model_path,
+            model_type=config.get("model_type"),
+            architectures=None if architectures is None else tuple(architectures),
+        )
 
     # ---- sessions ----------------------------------------------------------------------------------------------
 
@@ -651,3 +663,9 @@ def _meta(entry: BucketEntry) -> TensorMeta:
 
 def _describe(runners: Sequence[ServedRunner]) -> str:
     return " and ".join(f"the {runner.role.value} runner" for runner in runners)
+
+
+def _checkpoint_config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's config.json ({} when the path holds none)."""
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
