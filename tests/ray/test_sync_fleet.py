@@ -3,8 +3,9 @@ with frozen MTP drafts in the AITER layout, one controller actor per transport.
 
 - 5 train -> sync -> generate rounds per transport: every sync verified (trainer checksums == each engine's), the
   weights really move each round, every sample carries the version that produced it, accept length holds;
-- an engine killed during the broadcast fails that sync in bounded time without a version bump; the survivor
-  serves the old version; the restarted engine gets full, verified weights in a re-created group before serving;
+- an engine killed during the broadcast fails that sync in bounded time without a version bump; the survivor is
+  held exactly when bytes of that sync (a trained step) reached it, else serves the old version; the restarted
+  engine gets full, verified weights in a re-created group before serving;
 - the same rounds with shard_direct (each engine fed its own parameters by the trainer rank on its bundle);
 
 What reached each engine is read at the engine's door: a recording proxy (tests/recording_proxy.py) in front of
@@ -380,13 +381,17 @@ def victim_behind_a_proxy(fleet: Fleet):
 
 
 def kill_during_broadcast(fleet: Fleet, controller, proxy):
-    """Commit one sync, then run one in which the victim engine dies during the broadcast: once every engine has
-    begun the session, its request for the first bucket is held in its proxy (so it never joins that broadcast),
-    the engine is SIGKILLed and the request let through to the dead server. Returns (committed report, its update
-    group, failed report, seconds the failed sync took)."""
+    """Commit one sync, train one step (so the next sync carries other bytes than the committed ones: an engine
+    that received them is told apart from one that did not), then run a sync in which the victim engine dies during
+    the broadcast: once every engine has begun the session, its request for the first bucket is held in its proxy
+    (so it never joins that broadcast), the engine is SIGKILLed and the request let through to the dead server.
+    Returns (committed report, its update group, the survivor's checksum after it, failed report, seconds the
+    failed sync took)."""
     victim = fleet.engines.actors[0]
     first = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
     group = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S).membership
+    committed = target_checksum(current_urls(fleet.engines.actors)[1])
+    fleet.trainers.train_step(train_batch(generate(fleet.engines.actors, 7)), timeout_s=RAY_TIMEOUT_S)
     hold = proxy.hold("/update_weights_from_distributed")
     start = time.monotonic()
     ref = controller.sync.remote(raise_on_failure=False)
@@ -396,7 +401,7 @@ def kill_during_broadcast(fleet: Fleet, controller, proxy):
     finally:
         hold.release()
     failed = ray.get(ref, timeout=RAY_TIMEOUT_S)
-    return first, group, failed, time.monotonic() - start
+    return first, group, committed, failed, time.monotonic() - start
 
 
 def restart_victim(fleet: Fleet, controller, victim_url: str) -> str:
@@ -408,7 +413,7 @@ def restart_victim(fleet: Fleet, controller, victim_url: str) -> str:
 def test_engine_killed_during_broadcast(fleet):
     victim, survivor = fleet.engines.actors
     with victim_behind_a_proxy(fleet) as (controller, proxy, victim_url, survivor_url):
-        first, group_before, failed, elapsed = kill_during_broadcast(fleet, controller, proxy)
+        first, group_before, _, failed, elapsed = kill_during_broadcast(fleet, controller, proxy)
         assert not failed.committed and failed.error, failed.summary()
         print(f"failed sync after {elapsed:.2f} s: {failed.error[:300]}")
         assert elapsed < SYNC["sync_timeout_s"], f"the failed sync took {elapsed:.1f} s"
@@ -439,15 +444,29 @@ def test_engine_killed_during_broadcast(fleet):
             assert {s.weight_version for s in samples} == {recovered.version}
 
 
-def test_survivor_of_a_killed_broadcast_serves_the_committed_version(fleet):
+def test_survivor_of_a_killed_broadcast_serves_only_the_committed_weights(fleet):
+    """The failed sync carried a trained step, so what the survivor holds afterwards tells what reached it. gloo's
+    broadcast from the source may or may not have delivered a bucket to the survivor before the victim's death
+    failed it (it did in both runs at 5cb4869: the survivor was held): either way the survivor is held exactly when
+    its weights differ from the committed ones, and a survivor left serving serves the committed version; after
+    the victim restarts, the next sync lands the trained step on both."""
     survivor = fleet.engines.actors[1]
-    with victim_behind_a_proxy(fleet) as (controller, proxy, victim_url, _):
-        first, _, failed, _ = kill_during_broadcast(fleet, controller, proxy)
+    with victim_behind_a_proxy(fleet) as (controller, proxy, victim_url, survivor_url):
+        first, _, committed, failed, _ = kill_during_broadcast(fleet, controller, proxy)
         try:
             assert not failed.committed
-            # The victim is ranks 1.. of the group: gloo's broadcast fails before any byte reaches the survivor.
-            samples = ray.get(survivor.generate.remote(prompts(9), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
-            assert {s.weight_version for s in samples} == {first.version}
+            status = ray.get(controller.status.remote(), timeout=RAY_TIMEOUT_S)
+            changed = target_checksum(survivor_url) != committed  # the checker answers on a held engine too
+            assert (survivor_url in status.held_engines) == changed, (status.held_engines, changed)
+            assert (survivor_url in status.serving_engines) == (not changed), status.serving_engines
+            if not changed:
+                samples = ray.get(survivor.generate.remote(prompts(9), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
+                assert {s.weight_version for s in samples} == {first.version}
+            print("survivor", "held: the failed sync's bytes reached it" if changed else "serving: nothing reached it")
         finally:
             restart_victim(fleet, controller, victim_url)
-            assert ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S).committed
+            recovered = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+            assert recovered.committed
+        assert target_checksum(survivor_url) != committed  # the step the failed sync carried lands now
+        samples = ray.get(survivor.generate.remote(prompts(9), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
+        assert {s.weight_version for s in samples} == {recovered.version}
