@@ -95,6 +95,46 @@ def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:
     return asyncio.run(read())
 
 
+def rank_checksums(url: str, *, timeout_s: float = 60.0) -> list[dict[str, str]]:
+    """Each engine TP rank's per-parameter digests of its target runner (/weights_checker), in rank order."""
+
+    async def read() -> list[dict[str, str]]:
+        async with EngineClient(url, timeout_s=timeout_s) as client:
+            request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.TARGET)
+            return [dict(r.checksums) for r in (await client.weights_checker(request)).ranks]
+
+    return asyncio.run(read())
+
+
+def check_against_a_gathered_sync(trainers: TrainerGroup, urls: Sequence[str], *, model, sync: dict) -> None:
+    """An anchor outside the routed build: a routed sync is verified against the digests its feeders computed from
+    what they built, so a slice built wrong the same way on both sides would verify. Here the trainers' current
+    weights (the ones the routed sync just sent) go again through the gathered distributed broadcast, whose
+    expected digests come from the gathered HF tensors; it must verify and leave every engine rank's parameters
+    exactly as the routed sync left them."""
+    from actors.controller import create_controller
+    from miles_sync.config import SyncConfig
+    from miles_sync.transport.base import TransportKind
+
+    routed = {url: rank_checksums(url) for url in urls}
+    controller = create_controller(
+        trainers=trainers.actors,
+        engine_urls=list(urls),
+        sync=SyncConfig(transport=TransportKind.DISTRIBUTED, **sync),
+        model=model,
+    )
+    try:
+        report = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
+        assert report.committed and all(e.success for e in report.engines), report.summary()
+    finally:
+        ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
+        ray.kill(controller)
+    for url in urls:
+        gathered = rank_checksums(url)
+        differ = sorted({n for r, g in zip(routed[url], gathered) for n in r.keys() | g.keys() if r.get(n) != g.get(n)})
+        assert len(gathered) == len(routed[url]) and not differ, f"{url}: the routed sync left {differ} otherwise"
+
+
 def current_urls(engine_actors: Sequence[object]) -> tuple[str, ...]:
     return tuple(ray.get([a.url.remote() for a in engine_actors], timeout=RAY_TIMEOUT_S))
 

@@ -4,8 +4,10 @@ p2p loader as their custom weight loader; no placement ties an engine rank to a 
 
 Every trainer rank converts its own shards and sends what it feeds point to point over each engine's channel
 (plan_spread_feeds: engine ranks round robin over the trainer ranks), with no gather (the gather export is made to
-fail if it runs at all: tests/rank_probes.py); every sync of trained weights is verified engine-exact per rank, and
-the engines generate from the new weights with the version that produced them. What each engine was posted is read
+fail if it runs at all: tests/rank_probes.py); every sync of trained weights is verified engine-exact per rank (and
+the last one's weights, sent again through the gathered broadcast, leave every engine parameter as they were: an
+anchor outside the routed build), and the engines generate from the new weights with the version that produced
+them. What each engine was posted is read
 by a recording proxy in front of it (tests/recording_proxy.py).
 """
 
@@ -24,7 +26,7 @@ from contextlib import ExitStack
 import pytest
 import ray
 from rank_probes import GATHERED_UNIT, P2P_TRANSFER, refuse_gather, unwrap_calls, wrap_calls
-from ray_fleet import RAY_TIMEOUT_S, prompts, train_batch
+from ray_fleet import RAY_TIMEOUT_S, check_against_a_gathered_sync, prompts, train_batch
 from recording_proxy import p2p_ticket, recording_proxy
 
 from actors.controller import create_controller
@@ -138,6 +140,7 @@ def test_every_trainer_rank_sends_its_own_shards_point_to_point_verified_engine_
         ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
         ray.kill(controller)
         stack.close()
+    check_against_a_gathered_sync(trainers, engines.urls, model=MODEL, sync=SYNC)
 
 
 def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every_engine_rank(fleet):
@@ -157,6 +160,7 @@ def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every
     try:
         committed = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert committed.committed and committed.num_buckets > 2, committed.summary()
+        committed_checksums = {url: engine_checksums(url) for url in engines.urls}
         samples = ray.get(engines.actors[0].generate.remote(prompts(5), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
         trainers.train_step(train_batch(samples), timeout_s=RAY_TIMEOUT_S)
 
@@ -176,11 +180,14 @@ def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every
         assert status.weight_version == committed.version
         for url in engines.urls:  # released: the checker runs on the scheduler, which a loader blocked would hold
             started = time.monotonic()
-            assert engine_checksums(url), url
+            checksums = engine_checksums(url)
             assert time.monotonic() - started < 10.0, url
             if url in status.held_engines:
                 assert url not in status.serving_engines and is_paused(url), url
+            else:  # resumed, so it must serve the committed weights, rank by rank
+                assert url in status.serving_engines and checksums == committed_checksums[url], url
         assert status.held_engines, status  # the engines rank 1 fed took some of the new weights
+        print(f"held {sorted(status.held_engines)}, serving {sorted(status.serving_engines)}")
     finally:
         with contextlib.suppress(ray.exceptions.RayActorError):  # rank 1 is dead, unless the drill failed first
             unwrap_calls([trainers.actors[1]], P2P_TRANSFER)

@@ -4,8 +4,10 @@ engine (AITER layout, answering SGLang's engine-parameter digests), engine rank 
 Every trainer rank converts its own shards and feeds its own engine rank, with no gather: the gather export is
 made to fail if it runs at all (tests/rank_probes.py), each engine rank takes in about half the model per sync (its
 own count), and every sync of trained weights is verified engine-exact per rank against the digests the feeders
-computed as they built each parameter; the engine then generates from the new weights with the version that
-produced them. What the engine was posted is read by a recording proxy in front of it (tests/recording_proxy.py).
+computed as they built each parameter; as an anchor outside that build, the last sync's weights sent again through
+the gathered broadcast must leave every engine parameter as it was. The engine then generates from the new weights
+with the version that produced them. What the engine was posted is read by a recording proxy in front of it
+(tests/recording_proxy.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from contextlib import ExitStack
 import pytest
 import ray
 from rank_probes import GATHERED_UNIT, refuse_gather, unwrap_calls
-from ray_fleet import RAY_TIMEOUT_S, prompts, train_batch
+from ray_fleet import RAY_TIMEOUT_S, check_against_a_gathered_sync, prompts, train_batch
 from recording_proxy import recording_proxy, segment_pid
 
 from actors.controller import create_controller
@@ -134,3 +136,4 @@ def test_each_trainer_rank_feeds_its_own_engine_rank_without_a_gather_verified_e
         ray.get(controller.close.remote(), timeout=RAY_TIMEOUT_S)
         ray.kill(controller)
         stack.close()
+    check_against_a_gathered_sync(trainers, engines.urls, model=MODEL, sync=SYNC)
