@@ -1,10 +1,11 @@
 """The main job end to end through its real entry point (`python -m launch.run`): the default run learns its task
 (reward up by at least 0.25) with every sync verified and trainer/engine log-probs within 1e-4 every round; the
 control run (`sync.enabled=false`) trains the same but its reward stays flat and its log-prob gap grows at least
-100-fold; a trained MTP layer syncs under selector `all`; runs with pipeline stages (p2p into a TP=2 engine, each
-stage feeding its own layers) and with an expert-parallel Qwen3-MoE trainer verify every round; the
-frozen-draft-bug demo collapses the accept length; invalid config values fail before any actor starts. `ray job
-submit` to a running cluster is covered by tests/ray/test_placement_cluster.py (three simulated nodes)."""
+100-fold; a trained MTP layer syncs under selector `all` in a run through the router with an engine joining; runs
+with pipeline stages (p2p into a TP=2 engine, each stage feeding its own layers) and with an expert-parallel
+Qwen3-MoE trainer verify every round; the frozen-draft-bug demo collapses the accept length; invalid config values
+fail before any actor starts. `ray job submit` to a running cluster is covered by tests/ray/test_placement_cluster.py
+(three simulated nodes)."""
 
 from __future__ import annotations
 
@@ -89,29 +90,29 @@ def test_control_run_without_syncs_stays_flat_and_its_logprobs_drift(tmp_path):
     assert "not synced" in done.stdout
 
 
-def test_trained_mtp_layer_syncs_with_selector_all(tmp_path):
-    done = run_main(tmp_path, "model.num_trained_mtp_layers=1", "num_rounds=2", *SMALL)
+def test_a_trained_mtp_layer_syncs_with_selector_all_through_the_router_with_an_engine_joining_at_round_2(tmp_path):
+    """One run, two features a pipeline combines: `model.num_trained_mtp_layers=1` exports the MTP layer and every
+    sync selects `all` (every tensor verified on every engine, the MTP layer's included); `rollout.router=true`
+    starts sglang-router in front of the engines and every rollout goes through it; the engine launched before
+    round 2's sync is routed only after that sync verified it, and every sample of every round carries the
+    version its round committed (the joiner's first round included)."""
+    done = run_main(
+        tmp_path,
+        "model.num_trained_mtp_layers=1",
+        "rollout.router=true",
+        "engines.join_at_round=2",
+        "num_rounds=3",
+        *SMALL,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = read_report(tmp_path, "default")
     assert report["status"] == "completed" and report["config"]["model"]["num_trained_mtp_layers"] == 1
-    for r in report["rounds"]:
-        assert r["committed"] and r["verified"] and r["selector"] == "all", r
+    rounds = report["rounds"]
+    for r in rounds:
+        assert r["committed"] and r["verified"] and r["samples_tagged"] and r["selector"] == "all", r
         # Every exported tensor verified on every engine, the MTP layer's included: more than the target's alone.
         assert r["num_tensors"] > TARGET_TENSORS, r
         assert r["logprob_diff_max"] <= LOGPROB_BOUND, r
-
-
-def test_rollouts_through_the_router_with_an_engine_joining_at_round_2(tmp_path):
-    """rollout.router=true: sglang-router starts in front of the engines and every rollout goes through it; the
-    engine launched before round 2's sync is routed only after that sync verified it, and every sample of every
-    round carries the version its round committed (the joiner's first round included)."""
-    done = run_main(tmp_path, "rollout.router=true", "engines.join_at_round=2", "num_rounds=3", *SMALL)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = read_report(tmp_path, "default")
-    assert report["status"] == "completed"
-    rounds = report["rounds"]
-    for r in rounds:
-        assert r["committed"] and r["verified"] and r["samples_tagged"], r
         assert r["routed_engines"] == r["engines"], r  # every engine serving the round's version is routed
     assert len(rounds[0]["engines"]) == 2 and not rounds[0]["joined"]
     (joiner,) = rounds[1]["joined"]
