@@ -2,8 +2,9 @@
 tests/ray (local Ray cluster), tests/sglang (real SGLang 0.5.23 servers on CPU, from the venv of
 launch/install_sglang.sh). The marker is applied from the path so `-m unit` selects a tier.
 
-Every Ray test is also `slow`: each module starts a Ray cluster and an engine fleet (about 30 s before its first
-test), so `-m "not slow"` is the quick loop (unit tier plus the quick multi-process tests)."""
+Every Ray and real-SGLang test is also `slow` (a Ray module starts a cluster and an engine fleet, about 30 s before
+its first test; a real CPU server takes 18-56 s to start), and so are the multi-process modules that start engines
+per test (each says so): `-m "not slow"` is the quick loop, the unit tier plus the quick multi-process tests."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for tier in _TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-        if "ray" in parts:
+        if "ray" in parts or "sglang" in parts:
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") is not None:
             import torch

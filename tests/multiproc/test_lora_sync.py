@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from reference_server import reference_server
 from test_lora_engine import TARGETS, _adapter, _config, _greedy, _merged
@@ -30,6 +31,9 @@ from miles_sync.sync.selector import SelectorMode
 from miles_sync.sync.session import SelectorInputs, SessionTimeouts
 from miles_sync.sync.weight_source import WeightSource
 from miles_sync.wire.protocol import PauseMode
+
+# Slow: 17 s on a clean clone at 2d21038 (engines started per test or per TP size); the quick loop skips it.
+pytestmark = pytest.mark.slow
 
 PROMPT = (5, 17, 9, 33)
 
