@@ -34,30 +34,10 @@ RESET_TIMEOUT_S = 120.0
 
 
 @contextlib.contextmanager
-def sglang_server(
-    *,
-    model: Path,
-    python: Path,
-    log_dir: Path,
-    tp_size: int = 1,
-    device: str = "cpu",
-    custom_weight_loaders: tuple[str, ...] = (),
-    api_key: str | None = None,
-    admin_api_key: str | None = None,
-) -> Iterator[EngineLauncher]:
-    """A real SGLang server (on the CPU unless `device` says "cuda") serving `model` on loopback; yields once
-    /health_generate answers; always stopped. `custom_weight_loaders`: its `--custom-weight-loader` paths;
-    `api_key` / `admin_api_key`: its `--api-key` / `--admin-api-key`."""
-    launcher = server_launcher(
-        model=model,
-        python=python,
-        log_dir=log_dir,
-        tp_size=tp_size,
-        device=device,
-        custom_weight_loaders=custom_weight_loaders,
-        api_key=api_key,
-        admin_api_key=admin_api_key,
-    )
+def sglang_server(**options: Any) -> Iterator[EngineLauncher]:
+    """A real SGLang server started from `server_launcher(**options)`; yields once /health_generate answers;
+    always stopped."""
+    launcher = server_launcher(**options)
     try:
         launcher.start()
         yield launcher
@@ -76,7 +56,9 @@ def server_launcher(
     api_key: str | None = None,
     admin_api_key: str | None = None,
 ) -> EngineLauncher:
-    """The launcher of a real server as `sglang_server` starts it (not started)."""
+    """The launcher (not started) of a real SGLang server, on the CPU unless `device` says "cuda", serving `model`
+    on loopback. `custom_weight_loaders`: its `--custom-weight-loader` paths; `api_key` / `admin_api_key`: its
+    `--api-key` / `--admin-api-key`."""
     spec = SGLangEngineSpec(
         model_path=str(model),
         tp_size=tp_size,
