@@ -157,6 +157,7 @@ class ReferenceEngine:
         self._draft_is_frozen = draft_is_frozen
         self._scheduler = scheduler
         self._model_path = model_path
+        self._checkpoint_config = _checkpoint_config(model_path)  # /model_info answers from it, as SGLang does
         self._policy = FinalizePolicy(finalize_policy)
         self._timeout_s = collective_timeout_s
         self._lock = threading.Lock()
@@ -236,7 +237,7 @@ class ReferenceEngine:
     def model_info(self) -> ModelInfo:
         # As SGLang answers: the tokenizer at the model path (its --tokenizer-path default) and the checkpoint's
         # config.json model_type and architectures.
-        config = _checkpoint_config(self._model_path)
+        config = self._checkpoint_config
         architectures = config.get("architectures")
         return ModelInfo(
             model_path=self._model_path,
