@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import urllib.request
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,16 +75,26 @@ def enter_together(stack: ExitStack, *servers: AbstractContextManager[Any]) -> l
     """Enter every server's context at once, each on a thread of its own (a start mostly waits on its own processes:
     two one after another cost the sum of both), each registered with `stack` so it stops with it. If any fails to
     start, the first failure is raised once all have answered, and the ones that started stop with the stack."""
-    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-        futures = [pool.submit(server.__enter__) for server in servers]
-        wait(futures)
+    futures = _run_together([server.__enter__ for server in servers])
     for server, future in zip(servers, futures):
         if future.exception() is None:
             stack.push(server.__exit__)
+    _raise_first_failure(futures)
+    return [future.result() for future in futures]
+
+
+def _run_together(calls: Sequence[Callable[[], Any]]) -> list[Future]:
+    """Run every call on a thread of its own and wait until all have answered: their futures, in order."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        wait(futures)
+    return futures
+
+
+def _raise_first_failure(futures: Sequence[Future]) -> None:
     failure = next((f.exception() for f in futures if f.exception() is not None), None)
     if failure is not None:
         raise failure
-    return [future.result() for future in futures]
 
 
 @dataclass(frozen=True)
@@ -146,13 +156,9 @@ class ServerPool:
         if new:
             # Started together (a start mostly waits on its own processes); any that started joins the pool, so a
             # failed start stops with the pool.
-            with ThreadPoolExecutor(max_workers=len(new)) as pool:
-                futures = [pool.submit(launcher.start) for launcher in new]
-                wait(futures)
+            futures = _run_together([launcher.start for launcher in new])
             self._launchers += [launcher for launcher, future in zip(new, futures) if future.exception() is None]
-            failure = next((f.exception() for f in futures if f.exception() is not None), None)
-            if failure is not None:
-                raise failure
+            _raise_first_failure(futures)
         return list(self._launchers)
 
     def release(self) -> None:

@@ -83,27 +83,25 @@ def mean_accept_length(samples: Sequence[Sample]) -> float:
     return value
 
 
-def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:
-    """The engine's checksum over its target runner's tensors (/weights_checker)."""
+def _target_checker(url: str, *, timeout_s: float):
+    """The engine's /weights_checker checksum answer for its target runner."""
 
-    async def read() -> str:
+    async def read():
         async with EngineClient(url, timeout_s=timeout_s) as client:
             request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.TARGET)
-            result = await client.weights_checker(request)
-            return result.per_engine_checksum
+            return await client.weights_checker(request)
 
     return asyncio.run(read())
+
+
+def target_checksum(url: str, *, timeout_s: float = 60.0) -> str:
+    """The engine's checksum over its target runner's tensors (/weights_checker)."""
+    return _target_checker(url, timeout_s=timeout_s).per_engine_checksum
 
 
 def rank_checksums(url: str, *, timeout_s: float = 60.0) -> list[dict[str, str]]:
     """Each engine TP rank's per-parameter digests of its target runner (/weights_checker), in rank order."""
-
-    async def read() -> list[dict[str, str]]:
-        async with EngineClient(url, timeout_s=timeout_s) as client:
-            request = WeightsCheckerRequest(action=WeightsCheckerAction.CHECKSUM, selector=Selector.TARGET)
-            return [dict(r.checksums) for r in (await client.weights_checker(request)).ranks]
-
-    return asyncio.run(read())
+    return [dict(rank.checksums) for rank in _target_checker(url, timeout_s=timeout_s).ranks]
 
 
 def check_against_a_gathered_sync(trainers: TrainerGroup, urls: Sequence[str], *, model, sync: dict) -> None:

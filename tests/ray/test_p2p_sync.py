@@ -13,7 +13,6 @@ by a recording proxy in front of it (tests/recording_proxy.py).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -26,18 +25,17 @@ from contextlib import ExitStack
 import pytest
 import ray
 from rank_probes import GATHERED_UNIT, P2P_TRANSFER, refuse_gather, unwrap_calls, wrap_calls
-from ray_fleet import RAY_TIMEOUT_S, check_against_a_gathered_sync, prompts, train_batch
+from ray_fleet import RAY_TIMEOUT_S, check_against_a_gathered_sync, prompts, rank_checksums, train_batch
 from recording_proxy import p2p_ticket, recording_proxy
 
 from actors.controller import create_controller
 from actors.rollout import create_engines
 from actors.trainer import create_trainers
 from miles_sync.config import ModelConfig, SyncConfig, TrainerConfig
-from miles_sync.engine.client import EngineClient
 from miles_sync.engine.reference.launch import ReferenceEngineSpec
 from miles_sync.transport.base import TransportKind, transport_spec
 from miles_sync.weights.layout import WeightLayout
-from miles_sync.wire.protocol import ChecksumNames, SamplingParams, Selector, WeightsCheckerRequest
+from miles_sync.wire.protocol import ChecksumNames, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -70,17 +68,6 @@ def fleet(cluster, reference_checkpoints, tmp_path_factory) -> Iterator[tuple]:
         trainers = create_trainers(trainer=TrainerConfig(tp=2, lr=1e-4), checkpoint_dir=str(checkpoint))
         stack.callback(trainers.shutdown)
         yield engines, trainers
-
-
-def engine_checksums(url: str) -> list:
-    """The engine's per-rank checker answer (target runner)."""
-
-    async def read() -> list:
-        async with EngineClient(url, timeout_s=30.0) as client:
-            result = await client.weights_checker(WeightsCheckerRequest(selector=Selector.TARGET))
-            return list(result.ranks)
-
-    return asyncio.run(read())
 
 
 def is_paused(url: str) -> bool:
@@ -160,7 +147,7 @@ def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every
     try:
         committed = ray.get(controller.sync.remote(), timeout=RAY_TIMEOUT_S)
         assert committed.committed and committed.num_buckets > 2, committed.summary()
-        committed_checksums = {url: engine_checksums(url) for url in engines.urls}
+        committed_checksums = {url: rank_checksums(url, timeout_s=30.0) for url in engines.urls}
         samples = ray.get(engines.actors[0].generate.remote(prompts(5), sampling=GREEDY), timeout=RAY_TIMEOUT_S)
         trainers.train_step(train_batch(samples), timeout_s=RAY_TIMEOUT_S)
 
@@ -180,7 +167,7 @@ def test_a_trainer_rank_killed_mid_send_fails_the_sync_closed_and_releases_every
         assert status.weight_version == committed.version
         for url in engines.urls:  # released: the checker runs on the scheduler, which a loader blocked would hold
             started = time.monotonic()
-            checksums = engine_checksums(url)
+            checksums = rank_checksums(url, timeout_s=30.0)
             assert time.monotonic() - started < 10.0, url
             if url in status.held_engines:
                 assert url not in status.serving_engines and is_paused(url), url
